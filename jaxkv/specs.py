@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 NULL_BLOCK = 0
@@ -23,13 +24,13 @@ def cdiv(a: int, b: int) -> int:
 
 def _dtype_name(dtype) -> str:
     try:
-        return np.dtype(dtype).name
+        return jnp.dtype(dtype).name
     except TypeError as e:
         raise ValueError(f"{dtype=} is not a dtype; pass a name like 'bfloat16' or a numpy/JAX dtype") from e
 
 
 def dtype_bytes(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
+    return jnp.dtype(dtype).itemsize
 
 
 def _check_positive(**values) -> None:
