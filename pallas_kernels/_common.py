@@ -1,0 +1,123 @@
+"""What the paged kernels share: backend choice, cache layouts, compiler params.
+
+Dimension legend for cache arrays (see DESIGN.md, "Vocabulary"):
+  B  blocks (physical block ids, the null block 0 included)
+  L  layers sharing the buffer
+  H  KV heads (a per-shard slice under shard_map)
+  N  block size (tokens per block)
+  C  row channels (attention: K then V concatenated; MLA: the latent)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+# The memory order of a cache array's five logical axes. Block-outer layouts
+# keep every layer of one block together; layer-outer ones give each layer a
+# contiguous region.
+LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
+DEFAULT_LAYOUT = "BLHNC"
+
+BACKENDS = ("triton", "mosaic")
+
+# jax >= 0.11 warns that Pallas' Triton backend is deprecated every time one
+# lowers through it; the kernels choose it knowingly, so the warning is noise.
+warnings.filterwarnings(
+    "ignore", message=r"(?is).*triton.*deprecat.*", category=Warning
+)
+
+
+def check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise ValueError(f"{layout=} is not one of {LAYOUTS}.")
+
+
+def cache_dims(cache_shape: Sequence[int], layout: str) -> dict[str, int]:
+  """Maps each axis letter of `layout` to its size in `cache_shape`."""
+  check_layout(layout)
+  if len(cache_shape) != 5:
+    raise ValueError(
+        f"cache must have 5 dimensions ({layout}), got shape {tuple(cache_shape)}."
+    )
+  return dict(zip(layout, cache_shape))
+
+
+def cache_index(layout: str, *, b, l, h, n, c) -> tuple:
+  """The index tuple, in `layout` order, of block b, layer l, head h, token n, channel c."""
+  where = {"B": b, "L": l, "H": h, "N": n, "C": c}
+  return tuple(where[axis] for axis in layout)
+
+
+def to_blhnc(cache: jax.Array, layout: str) -> jax.Array:
+  """A [B, L, H, N, C] view (transposed copy) of a cache in any layout."""
+  check_layout(layout)
+  return cache.transpose(tuple(layout.index(axis) for axis in "BLHNC"))
+
+
+def from_blhnc(cache: jax.Array, layout: str) -> jax.Array:
+  """Inverse of `to_blhnc`."""
+  check_layout(layout)
+  return cache.transpose(tuple("BLHNC".index(axis) for axis in layout))
+
+
+def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
+  """Fills in the defaults: Mosaic on TPU, Triton-style kernels elsewhere,
+  interpreted unless a GPU or TPU is the default backend."""
+  platform = jax.default_backend()
+  if backend is None:
+    backend = "mosaic" if platform == "tpu" else "triton"
+  if backend not in BACKENDS:
+    raise ValueError(f"{backend=} is not one of {BACKENDS} (or None for the default).")
+  if interpret is None:
+    interpret = platform not in ("gpu", "cuda", "rocm", "tpu")
+  return backend, bool(interpret)
+
+
+def interpret_arg(backend: str, interpret: bool):
+  """pallas_call's `interpret=`: Mosaic kernels use DMAs and semaphores, which
+  only the TPU interpreter emulates."""
+  if not interpret:
+    return False
+  if backend == "mosaic":
+    return pltpu.InterpretParams()
+  return True
+
+
+def triton_params(num_warps: int, num_stages: int):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def mosaic_params(dimension_semantics: tuple[str, ...]):
+  return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+
+
+def is_power_of_2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+def next_power_of_2(x: int) -> int:
+  return 1 << max(0, x - 1).bit_length()
+
+
+def power_of_2_pieces(width: int) -> tuple[tuple[int, int], ...]:
+  """Splits [0, width) into (start, size) pieces of power-of-2 sizes, largest first.
+
+  Triton tensors must have power-of-2 shapes, so a 656-byte MLA row is moved
+  as 512 + 128 + 16.
+  """
+  pieces, start = [], 0
+  for bit in reversed(range(width.bit_length())):
+    size = 1 << bit
+    if width & size:
+      pieces.append((start, size))
+      start += size
+  return tuple(pieces)
+
+
+ANY = pl.ANY

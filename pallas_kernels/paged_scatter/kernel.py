@@ -1,0 +1,242 @@
+"""Paged scatter: writes new tokens' rows at their slots of a paged cache, in place.
+
+Dimension legend:
+  T  new tokens in this step (prefill chunks and decodes together, padding included)
+  B  blocks, L layers, H KV heads, N block size, C row channels (see `_common`)
+
+A token's slot is `block_id * N + position_in_block`; slot -1 marks padding and
+writes nothing. Slots must be unique within one call (two writes to one slot
+race on a device).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _common
+from pallas_kernels._common import cache_index
+
+
+def _triton_kernel(
+    # Inputs (whole arrays)
+    layer_ref,  # [1] int32
+    slot_ref,  # [T] int32
+    rows_ref,  # [T, H, C]
+    cache_in_ref,  # the cache, aliased with cache_ref
+    # Outputs
+    cache_ref,  # [B, L, H, N, C] in `layout` order
+    *,
+    layout: str,
+    block_size: int,
+    num_heads: int,
+    pieces: tuple[tuple[int, int], ...],
+):
+  """One program per token: stores its H rows, each in power-of-2 pieces."""
+  del cache_in_ref  # Same buffer as cache_ref.
+  t = pl.program_id(0)
+  slot = slot_ref[t]
+
+  @pl.when(slot >= 0)
+  def _write():
+    block_id = slot // block_size
+    offset = slot % block_size
+    layer = layer_ref[0]
+    for h in range(num_heads):
+      for start, size in pieces:
+        channels = pl.ds(start, size)
+        cache_ref[cache_index(layout, b=block_id, l=layer, h=h, n=offset, c=channels)] = (
+            rows_ref[t, h, channels]
+        )
+
+
+def _mosaic_kernel(
+    # Prefetch
+    layer_ref,  # [1] int32, SMEM
+    slot_ref,  # [T] int32, SMEM
+    # Inputs
+    rows_hbm_ref,  # [T, H, C], HBM
+    cache_in_ref,  # the cache, aliased with cache_hbm_ref
+    # Outputs
+    cache_hbm_ref,  # [B, L, H, N, C] in `layout` order, HBM
+    # Scratch
+    sems,  # DMA semaphore [1]
+    *,
+    layout: str,
+    block_size: int,
+    num_tokens: int,
+):
+  """One program: a DMA per real token from its [H, C] rows to its slot,
+  all started before any is awaited."""
+  del cache_in_ref  # Same buffer as cache_hbm_ref.
+  layer = layer_ref[0]
+
+  def copy(t):
+    slot = slot_ref[t]
+    dst = cache_hbm_ref.at[
+        cache_index(
+            layout,
+            b=slot // block_size,
+            l=layer,
+            h=slice(None),
+            n=slot % block_size,
+            c=slice(None),
+        )
+    ]
+    return pltpu.make_async_copy(rows_hbm_ref.at[t], dst, sems.at[0])
+
+  def start(t, carry):
+    @pl.when(slot_ref[t] >= 0)
+    def _():
+      copy(t).start()
+
+    return carry
+
+  def wait(t, carry):
+    @pl.when(slot_ref[t] >= 0)
+    def _():
+      copy(t).wait()
+
+    return carry
+
+  lax.fori_loop(0, num_tokens, start, 0)
+  lax.fori_loop(0, num_tokens, wait, 0)
+
+
+def _paged_scatter_call(cache, new_rows, slot_mapping, layer, *, layout, backend, interpret):
+  """Builds the grid and specs for one backend and calls the kernel."""
+  dims = _common.cache_dims(cache.shape, layout)
+  num_tokens, num_heads, row_width = new_rows.shape
+  interpret_param = _common.interpret_arg(backend, interpret)
+  if backend == "triton":
+    kernel = functools.partial(
+        _triton_kernel,
+        layout=layout,
+        block_size=dims["N"],
+        num_heads=num_heads,
+        pieces=_common.power_of_2_pieces(row_width),
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tokens,),  # One program per new token.
+        in_specs=[
+            pl.BlockSpec(),  # layer: whole array
+            pl.BlockSpec(),  # slot_mapping: whole array
+            pl.BlockSpec(),  # new_rows: whole array, indexed by token
+            pl.BlockSpec(),  # cache (aliased input)
+        ],
+        out_specs=pl.BlockSpec(),  # cache: whole array, written at slots only
+        out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        input_output_aliases={3: 0},
+        compiler_params=_common.triton_params(num_warps=1, num_stages=1),
+        interpret=interpret_param,
+        name="paged_scatter",
+    )(layer, slot_mapping, new_rows, cache)
+
+  kernel = functools.partial(
+      _mosaic_kernel, layout=layout, block_size=dims["N"], num_tokens=num_tokens
+  )
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,  # layer, slot_mapping
+          grid=(1,),  # One program issues every token's DMA.
+          in_specs=[
+              pl.BlockSpec(memory_space=pl.ANY),  # new_rows stay in HBM
+              pl.BlockSpec(memory_space=pl.ANY),  # cache (aliased input)
+          ],
+          out_specs=pl.BlockSpec(memory_space=pl.ANY),  # cache, written by DMA
+          scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
+      ),
+      out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+      input_output_aliases={3: 0},  # Operand 3 counts the two prefetch scalars.
+      compiler_params=_common.mosaic_params(("arbitrary",)),
+      interpret=interpret_param,
+      name="paged_scatter",
+  )(layer, slot_mapping, new_rows, cache)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("layout", "backend", "interpret"),
+    donate_argnames=("cache",),
+)
+def paged_scatter(
+    cache: jax.Array,  # [B, L, H, N, C] in `layout` order
+    new_rows: jax.Array,  # [T, H, C]
+    slot_mapping: jax.Array,  # [T] int32, -1 for padding
+    layer_idx: int | jax.Array = 0,  # scalar in [0, L)
+    *,
+    layout: str = _common.DEFAULT_LAYOUT,
+    backend: str | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:  # [B, L, H, N, C], the same buffer as `cache`
+  """Writes each new token's rows at its slot of layer `layer_idx`, in place.
+
+  Dimensions: T new tokens; B blocks; L layers sharing the buffer; H KV heads
+  (the per-shard slice under `shard_map`); N block size; C row channels (for
+  attention K and V concatenated: `K = row[:head_size]`, `V = row[head_size:]`;
+  for MLA the latent; any dtype, uint8 included).
+
+  Token t goes to block `slot_mapping[t] // N`, position `slot_mapping[t] % N`;
+  slot -1 writes nothing. Slots must be unique within a call. Prefill chunks and
+  decode tokens mix freely.
+
+  `cache` is donated and aliased to the output (`input_output_aliases`), so no
+  copy is made when this is the outermost jit; a caller that wraps it in its
+  own jit must donate the cache there for the same effect. Do not use `cache`
+  after the call.
+
+  Args:
+    cache: the shared buffer; `layout` names its axis order ("BLHNC" block-outer,
+      the default; also "BLNHC", "LBHNC", "LBNHC").
+    new_rows: the rows to write, dtype equal to the cache's.
+    slot_mapping: per token, its slot or -1.
+    layer_idx: which layer of the buffer to write; a Python int or a traced
+      scalar (e.g. inside a scan over layers). Out-of-range traced values are a
+      caller bug and are not checked.
+    backend: "triton" (GPU; also the kernel interpreted on CPU) or "mosaic"
+      (TPU); None picks by `jax.default_backend()`.
+    interpret: run the kernel in the Pallas interpreter; None means yes unless a
+      GPU or TPU is the default backend.
+
+  Multi-device: under `shard_map` with the cache and `new_rows` split over H
+  (and `slot_mapping` replicated), each shard writes its own head slice.
+  """
+  backend, interpret = _common.resolve_backend(backend, interpret)
+  dims = _common.cache_dims(cache.shape, layout)
+  if new_rows.ndim != 3:
+    raise ValueError(f"new_rows must be [T, H, C], got shape {new_rows.shape}.")
+  num_tokens, num_heads, row_width = new_rows.shape
+  if (num_heads, row_width) != (dims["H"], dims["C"]):
+    raise ValueError(
+        f"new_rows [T, H, C]={new_rows.shape} must match the cache's "
+        f"H={dims['H']} and C={dims['C']} (cache {cache.shape}, {layout=})."
+    )
+  if new_rows.dtype != cache.dtype:
+    raise ValueError(
+        f"{new_rows.dtype=} must equal {cache.dtype=}; cast the rows with .astype first."
+    )
+  if slot_mapping.shape != (num_tokens,):
+    raise ValueError(f"{slot_mapping.shape=} must be ({num_tokens},), one slot per token.")
+  if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+    raise ValueError(f"{slot_mapping.dtype=} must be an integer dtype (int32).")
+  if isinstance(layer_idx, int) and not 0 <= layer_idx < dims["L"]:
+    raise ValueError(f"{layer_idx=} must be in [0, {dims['L']}) for cache {cache.shape}.")
+  if num_tokens == 0:
+    return cache
+  layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
+  return _paged_scatter_call(
+      cache,
+      new_rows,
+      slot_mapping.astype(jnp.int32),
+      layer,
+      layout=layout,
+      backend=backend,
+      interpret=interpret,
+  )
