@@ -1,6 +1,8 @@
 """jaxkv: a paged KV cache for hybrid models, managed by jitted pure functions."""
 
-from jaxkv.config import KVCacheConfig, KVCacheGroup, KVCacheTensor
+from jaxkv.config import LAYOUTS, KVCacheConfig, KVCacheGroup, KVCacheTensor
+from jaxkv.hf_config import SUPPORTED_MODEL_TYPES, specs_from_hf_config
+from jaxkv.planning import GROUPINGS, plan, resolve_kv_sharing
 from jaxkv.hashing import UnitHasher, block_hash, digests_to_keys, mm_extra_keys, prompt_unit_hashes
 from jaxkv.prefix_rules import HitRule, group_hit_lens, prefix_hit_len
 from jaxkv.specs import (

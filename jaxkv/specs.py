@@ -89,6 +89,10 @@ class AttentionSpec:
     def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return cdiv(max_model_len, self.block_size)
 
+    def blocks_held(self, num_tokens: int) -> int:
+        """Non-null blocks of a request of `num_tokens` tokens while its last token is computed."""
+        return cdiv(num_tokens, self.block_size)
+
 
 @_spec
 class FullAttentionSpec(AttentionSpec):
@@ -129,6 +133,12 @@ class SlidingWindowSpec(AttentionSpec):
     def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return cdiv(self.tokens_per_request(max_model_len, max_num_batched_tokens), self.block_size) + 1
 
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks covering positions [n − W, n − 1] while token n − 1 is computed (n = `num_tokens`)."""
+        if num_tokens <= 0:
+            return 0
+        return (num_tokens - 1) // self.block_size - max(0, num_tokens - self.sliding_window) // self.block_size + 1
+
 
 @_spec
 class ChunkedLocalAttentionSpec(AttentionSpec):
@@ -145,6 +155,13 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return cdiv(self.tokens_per_request(max_model_len, max_num_batched_tokens), self.block_size)
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks of the current chunk while token n − 1 is computed (n = `num_tokens`)."""
+        if num_tokens <= 0:
+            return 0
+        last = num_tokens - 1
+        return last // self.block_size - (last // self.attention_chunk_size * self.attention_chunk_size) // self.block_size + 1
 
 
 @_spec
@@ -200,6 +217,9 @@ class MambaSpec:
 
     def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return 1
+
+    def blocks_held(self, num_tokens: int) -> int:
+        return 1 if num_tokens > 0 else 0
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MLAAttentionSpec | MambaSpec

@@ -1,0 +1,7 @@
+"""`python -m jaxkv ...`: see jaxkv.cli."""
+
+import sys
+
+from jaxkv.cli import main
+
+sys.exit(main())
