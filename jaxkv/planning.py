@@ -151,8 +151,6 @@ def resolve_kv_sharing(layers: Mapping[str, KVCacheSpec | str]) -> tuple[dict[st
             chain.append(value)
             value = layers[value]
         shared[name] = chain[-1]
-    if not specs:
-        raise ValueError("every layer shares another layer's cache: at least one layer must own a spec")
     return specs, shared
 
 
