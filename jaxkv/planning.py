@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from fractions import Fraction
 
@@ -113,7 +114,7 @@ def plan(
                 layout=layout,
             )
         except ValueError:
-            all_full = None
+            pass  # all full attention does not fit this budget: nothing to compare with
 
     def config(groups: Groups, **extra) -> KVCacheConfig:
         num_blocks = available_bytes // max(g.page_bytes for g in groups)
@@ -395,5 +396,5 @@ def _unify_lcm(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec] | None:
 
 def _check_int(**values) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer")

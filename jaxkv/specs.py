@@ -4,7 +4,8 @@ Specs are frozen, slotted, keyword-only dataclasses; they are hashable and are
 passed to jit as static configuration. `page_size_bytes` is the bytes of one
 block of one layer (padded when the planner unified page sizes);
 `blocks_per_request` is how many blocks one request of `max_model_len` tokens
-can hold at once in a layer of this kind.
+can hold at once in a layer of this kind; `blocks_held(n)` is how many a request
+of n tokens holds while its last token is computed.
 """
 
 from __future__ import annotations
