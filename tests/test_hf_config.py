@@ -10,7 +10,6 @@ from jaxkv import (
     SUPPORTED_MODEL_TYPES,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     plan,
