@@ -172,7 +172,8 @@ def paged_attention(
   window are never read, and a decode reads at most
   `cdiv(sliding_window - 1, N) + 1` blocks at any context length.
 
-  Jitted; everything after `layer_idx` is static.
+  Jitted; everything after `layer_idx` is static. `layer_idx` is traced (one
+  compilation serves every layer) and not range-checked.
 
   Args:
     sm_scale: logit scale, default `D ** -0.5`.
@@ -238,8 +239,6 @@ def paged_attention(
     raise ValueError(f"{attention_chunk_size=} must be at least 1.")
   if logits_soft_cap is not None and logits_soft_cap <= 0:
     raise ValueError(f"{logits_soft_cap=} must be positive.")
-  if isinstance(layer_idx, int) and not 0 <= layer_idx < dims["L"]:
-    raise ValueError(f"{layer_idx=} must be in [0, {dims['L']}) for cache {cache.shape}.")
   if return_blocks_read and backend != "triton":
     raise ValueError(f"return_blocks_read=True needs backend='triton', got {backend=}.")
 

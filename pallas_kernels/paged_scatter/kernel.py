@@ -198,8 +198,9 @@ def paged_scatter(
     new_rows: the rows to write, dtype equal to the cache's.
     slot_mapping: per token, its slot or -1.
     layer_idx: which layer of the buffer to write; a Python int or a traced
-      scalar (e.g. inside a scan over layers). Out-of-range traced values are a
-      caller bug and are not checked.
+      scalar (e.g. inside a scan over layers), traced either way so that layers
+      share one compilation. It is not range-checked: an out-of-range value is
+      a caller bug.
     backend: "triton" (GPU; also the kernel interpreted on CPU) or "mosaic"
       (TPU); None picks by `jax.default_backend()`.
     interpret: run the kernel in the Pallas interpreter; None means yes unless a
@@ -226,8 +227,6 @@ def paged_scatter(
     raise ValueError(f"{slot_mapping.shape=} must be ({num_tokens},), one slot per token.")
   if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
     raise ValueError(f"{slot_mapping.dtype=} must be an integer dtype (int32).")
-  if isinstance(layer_idx, int) and not 0 <= layer_idx < dims["L"]:
-    raise ValueError(f"{layer_idx=} must be in [0, {dims['L']}) for cache {cache.shape}.")
   if num_tokens == 0:
     return cache
   layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)

@@ -1,0 +1,125 @@
+"""The kernels lower for GPU (Pallas Triton) and TPU (Mosaic) with no device attached.
+
+Lowering runs Pallas' own lowering to Triton IR / Mosaic MLIR and checks
+shapes, block specs and every primitive the kernel bodies use; compiling that
+IR to machine code needs the device and is left to benchmarks/device_check.sh.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_scatter import paged_scatter
+
+S = jax.ShapeDtypeStruct
+
+
+def _lower(fn, platform, *args, **kwargs) -> str:
+  """The StableHLO text of `fn` lowered for `platform` ("cuda" or "tpu")."""
+  backend = {"cuda": "triton", "tpu": "mosaic"}[platform]
+  traced = lambda: fn.trace(*args, **kwargs, backend=backend, interpret=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # No warning may escape, deprecations included.
+    if platform == "tpu":
+      # Mosaic reads the chip's parameters from the device; an abstract TPU
+      # device stands in for one.
+      device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+      mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+      with jax.sharding.use_abstract_mesh(mesh):
+        return traced().lower(lowering_platforms=("tpu",)).as_text()
+    return traced().lower(lowering_platforms=("cuda",)).as_text()
+
+
+_KERNEL_CALL = {"cuda": re.compile(r"custom_call @\S*triton"), "tpu": re.compile(r"tpu_custom_call")}
+
+
+def _cache(layout, *, dtype, block_size=16, num_heads=2, row_width=256):
+  dims = {"B": 64, "L": 3, "H": num_heads, "N": block_size, "C": row_width}
+  return S(tuple(dims[axis] for axis in layout), dtype)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize(
+    "layout,dtype,row_width",
+    [("BLHNC", jnp.bfloat16, 256), ("LBNHC", jnp.float32, 256), ("BLHNC", jnp.uint8, 656)],
+)
+def test_paged_scatter_lowers_in_place(platform, layout, dtype, row_width):
+  text = _lower(
+      paged_scatter,
+      platform,
+      _cache(layout, dtype=dtype, row_width=row_width),
+      S((40, 2, row_width), dtype),
+      S((40,), jnp.int32),
+      jnp.int32(1),
+      layout=layout,
+  )
+  assert _KERNEL_CALL[platform].search(text)
+  assert "output_operand_aliases" in text  # The kernel writes into its input.
+  assert "tf.aliasing_output = 0" in text  # The jit donates the cache.
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(dtype=jnp.bfloat16),
+        dict(dtype=jnp.float32, sliding_window=1000, layout="LBNHC"),
+        dict(dtype=jnp.bfloat16, attention_chunk_size=64, logits_soft_cap=30.0, block_size=8),
+    ],
+    ids=["full-bf16", "window-f32-LBNHC", "chunk-capped-bf16-block8"],
+)
+def test_paged_attention_lowers(platform, options):
+  options = dict(options)
+  dtype = options.pop("dtype")
+  layout = options.get("layout", "BLHNC")
+  block_size = options.pop("block_size", 16)
+  num_requests, num_tokens = 8, 40
+  text = _lower(
+      paged_attention,
+      platform,
+      S((num_tokens, 8, 128), dtype),  # GQA 4
+      _cache(layout, dtype=dtype, block_size=block_size),
+      S((num_requests + 1,), jnp.int32),
+      S((num_requests,), jnp.int32),
+      S((num_requests, 32), jnp.int32),
+      jnp.int32(2),
+      **options,
+  )
+  assert _KERNEL_CALL[platform].search(text)
+
+
+def test_block_count_output_lowers_for_cuda():
+  text = _lower(
+      paged_attention,
+      "cuda",
+      S((4, 2, 64), jnp.bfloat16),
+      _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
+      S((5,), jnp.int32),
+      S((4,), jnp.int32),
+      S((4, 32), jnp.int32),
+      0,
+      sliding_window=100,
+      return_blocks_read=True,
+  )
+  assert _KERNEL_CALL["cuda"].search(text)
+
+
+def test_triton_rejects_shapes_it_cannot_tile():
+  with pytest.raises(ValueError, match="block_size=12 must be a power of 2"):
+    _lower(
+        paged_attention,
+        "cuda",
+        S((4, 2, 64), jnp.bfloat16),
+        _cache("BLHNC", dtype=jnp.bfloat16, block_size=12, row_width=128),
+        S((5,), jnp.int32),
+        S((4,), jnp.int32),
+        S((4, 32), jnp.int32),
+        0,
+    )
