@@ -48,11 +48,10 @@ def mosaic_kernel(
   layer = layer_ref[0]
   n = cfg.block_size
 
-  # Same loop bounds as the Triton body: from the first live block on.
-  live_begin = softmax.first_visible_key(first_query_pos, cfg)
-  first_block = lax.div(live_begin, n)
-  end_block = lax.div(first_query_pos + num_queries + (n - 1), n)
-  end_block = lax.select(num_queries > 0, end_block, first_block)
+  # Blocks behind the window are never read (see softmax.block_range).
+  live_begin, first_block, end_block = softmax.block_range(
+      first_query_pos, num_queries, cfg, max_blocks
+  )
 
   def fetch(j, buf):
     block_id = block_tables_ref[req * max_blocks + j]

@@ -59,6 +59,22 @@ def first_visible_key(first_query_pos, cfg: AttentionConfig):
   return jnp.zeros_like(first_query_pos)
 
 
+def block_range(first_query_pos, num_queries, cfg: AttentionConfig, max_blocks: int):
+  """The blocks one query tile reads: [first_block, end_block), and the first live key.
+
+  The range starts at the block of the first key any query of the tile can
+  see (so blocks behind a window are never read) and ends with the block of
+  its last query; a tile without queries reads nothing. Both ends stay inside
+  the table even for inconsistent lengths, so no load leaves it.
+  """
+  live_begin = first_visible_key(first_query_pos, cfg)
+  n = cfg.block_size
+  first_block = jnp.clip(lax.div(live_begin, n), 0, max_blocks)
+  end_block = jnp.clip(lax.div(first_query_pos + num_queries + (n - 1), n), 0, max_blocks)
+  end_block = lax.select(num_queries > 0, jnp.maximum(end_block, first_block), first_block)
+  return live_begin, first_block, end_block
+
+
 def visible(query_pos, key_pos, cfg: AttentionConfig):
   """Causal mask with the group's window; broadcasts its int32 arguments."""
   mask = key_pos <= query_pos

@@ -43,12 +43,10 @@ def triton_kernel(
   layer = layer_ref[0]
   n = cfg.block_size
 
-  # The loop starts at the first block any query of the tile can see and ends
-  # with the block of its last query: blocks behind a window are never read.
-  live_begin = softmax.first_visible_key(first_query_pos, cfg)
-  first_block = lax.div(live_begin, n)
-  end_block = lax.div(first_query_pos + num_queries + (n - 1), n)
-  end_block = lax.select(num_queries > 0, end_block, first_block)
+  # Blocks behind the window are never read (see softmax.block_range).
+  live_begin, first_block, end_block = softmax.block_range(
+      first_query_pos, num_queries, cfg, block_tables_ref.shape[1]
+  )
 
   q = q_ref[...]
   query_pos, row_real = softmax.row_positions(first_query_pos, num_queries, cfg)
