@@ -26,11 +26,21 @@ DEFAULT_LAYOUT = "BLHNC"
 
 BACKENDS = ("triton", "mosaic")
 
-# jax >= 0.11 warns that Pallas' Triton backend is deprecated every time one
-# lowers through it; the kernels choose it knowingly, so the warning is noise.
-warnings.filterwarnings(
-    "ignore", message=r"(?is).*triton.*deprecat.*", category=Warning
-)
+
+def filter_triton_deprecation() -> None:
+  """Ignores jax >= 0.11's "The Pallas Triton backend is deprecated ..." warning.
+
+  It is raised when a Triton pallas_call is lowered, which is when the
+  caller's outermost jit compiles, after the kernel's entry has returned, so a
+  filter scoped to the call cannot see it. The entries call this at trace
+  time: a process-wide filter for that message only, re-installed on every
+  trace so that a `warnings.catch_warnings` block around the caller (pytest
+  wraps each test in one) still gets it.
+  """
+  warnings.filterwarnings("ignore", message=r"(?is).*triton.*deprecat", category=Warning)
+
+
+filter_triton_deprecation()
 
 
 def check_layout(layout: str) -> None:
@@ -74,6 +84,8 @@ def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, b
     backend = "mosaic" if platform == "tpu" else "triton"
   if backend not in BACKENDS:
     raise ValueError(f"{backend=} is not one of {BACKENDS} (or None for the default).")
+  if backend == "triton":
+    filter_triton_deprecation()
   if interpret is None:
     interpret = platform not in ("gpu", "cuda", "rocm", "tpu")
   return backend, bool(interpret)

@@ -30,9 +30,9 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 def _tiles(query_start_loc, seq_lens, *, num_tiles: int, block_q: int):
   """Splits each request's queries into tiles of `block_q`.
 
-  Returns, per tile, its request, first token index, first query position and
-  number of real queries (0 for the padding tiles at the end), and per tile
-  the index of its first tile in its request (to map tokens back).
+  Returns, per tile [NT], its request, first token index, first query position
+  and number of real queries (0 for the padding tiles at the end); and per
+  request [Rq], the index of its first tile (to map tokens back).
   """
   num_requests = seq_lens.shape[0]
   q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [Rq]

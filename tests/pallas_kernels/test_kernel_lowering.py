@@ -123,3 +123,27 @@ def test_triton_rejects_shapes_it_cannot_tile():
         S((4, 32), jnp.int32),
         0,
     )
+
+
+def test_triton_deprecation_warning_is_filtered():
+  # jax >= 0.11 warns at every Triton lowering, after the entry has returned;
+  # the filter installed at trace time must outlive the call and win over an
+  # "error" filter set around it.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    paged_attention.trace(
+        S((4, 2, 64), jnp.bfloat16),
+        _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
+        S((5,), jnp.int32),
+        S((4,), jnp.int32),
+        S((4, 32), jnp.int32),
+        0,
+        backend="triton",
+        interpret=False,
+    )
+    warnings.warn(
+        "The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
+        DeprecationWarning,
+    )
+    with pytest.raises(DeprecationWarning):
+      warnings.warn("something else is deprecated", DeprecationWarning)
