@@ -1,0 +1,407 @@
+"""ManagerState: the block pool and per-request block tables, updated by jitted pure functions.
+
+Dimensions: R requests in one call, G KV cache groups, S request slots
+(`max_num_seqs`), M max blocks per request (`cdiv(max_model_len, smallest
+block size)`), N blocks, T scheduled tokens, K table entries handled per loop
+step.
+
+A request lives in a slot chosen by the host (`KVCacheManager` maps ids to
+slots). Per slot and group, the block table maps logical block index j (tokens
+`j × block_size` to `(j + 1) × block_size − 1`) to a block id:
+
+    group kind       holds NULL_BLOCK below logical index        (n: tokens computed)
+    full             0
+    sliding window W max(0, n − W + 1) // block_size
+    chunked local C  (n // C) × C // block_size
+    mamba            max(0, n − 1) // block_size; it holds one state block, at the
+                     last index, plus the previous one until the next call
+
+The rule is applied at the start of `allocate`, by the tokens computed before
+the call (vLLM's rule), so during a step the blocks the step's attention reads
+are still held. `first_live_idx` is where it was last applied.
+
+Every transition is `new_state, result = f(state, ...)`, jitted with the
+config (and chunk sizes) static and the state donated: after a call, use only
+the returned state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv.config import KVCacheConfig
+from jaxkv.pool import PoolState, cumsum, init_pool, pop, release
+from jaxkv.specs import NULL_BLOCK, cdiv
+
+FULL, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA = 0, 1, 2, 3
+_KIND_CODES = {"full": FULL, "sliding_window": SLIDING_WINDOW, "chunked_local": CHUNKED_LOCAL, "mamba": MAMBA}
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerState:
+    """The whole runtime state of the cache manager; a pytree of arrays.
+
+    pool:           PoolState     reference counts, free order, cached-block hashes
+    block_tables:   int32[G, S, M] physical block per group, slot, logical block index
+    first_live_idx: int32[G, S]   logical index below which the table holds NULL_BLOCK
+    num_computed:   int32[S]      tokens of the request that have a slot (0: slot unused)
+    """
+
+    pool: PoolState
+    block_tables: jax.Array
+    first_live_idx: jax.Array
+    num_computed: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    ManagerState, data_fields=[f.name for f in dataclasses.fields(ManagerState)], meta_fields=[]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocateResult:
+    """ok: bool[R] (padding rows False); num_free_blocks: int32[] after the call."""
+
+    ok: jax.Array
+    num_free_blocks: jax.Array
+
+
+jax.tree_util.register_dataclass(AllocateResult, data_fields=["ok", "num_free_blocks"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRules:
+    """Static per-group constants, int32[G] numpy arrays (window/chunk are 1 where unused)."""
+
+    block_size: np.ndarray
+    kind: np.ndarray
+    window: np.ndarray
+    chunk: np.ndarray
+    max_blocks: np.ndarray  # blocks one request may hold (vLLM's admission cap)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.block_size)
+
+
+@functools.lru_cache(maxsize=None)
+def group_rules(cfg: KVCacheConfig) -> GroupRules:
+    def column(values):
+        return np.asarray(values, np.int32)
+
+    groups = cfg.groups
+    return GroupRules(
+        block_size=column([g.block_size for g in groups]),
+        kind=column([_KIND_CODES[g.kind] for g in groups]),
+        window=column([g.spec.sliding_window if g.kind == "sliding_window" else 1 for g in groups]),
+        chunk=column([g.spec.attention_chunk_size if g.kind == "chunked_local" else 1 for g in groups]),
+        max_blocks=column(
+            [g.spec.blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens) for g in groups]
+        ),
+    )
+
+
+def max_blocks_per_request(cfg: KVCacheConfig) -> int:
+    """M: table width, enough for max_model_len tokens in the group of smallest blocks."""
+    return cdiv(cfg.max_model_len, min(g.block_size for g in cfg.groups))
+
+
+def default_chunk_size(cfg: KVCacheConfig, num_requests: int) -> int:
+    """K for a call over R requests: the blocks one engine step of R requests usually takes."""
+    rules = group_rules(cfg)
+    per_step = rules.num_groups * (cdiv(cfg.max_num_batched_tokens, int(rules.block_size.min())) + num_requests)
+    return int(min(1 << (per_step - 1).bit_length(), rules.num_groups * num_requests * max_blocks_per_request(cfg)))
+
+
+def init_state(cfg: KVCacheConfig, max_num_seqs: int) -> ManagerState:
+    """Every block free, every slot empty."""
+    if not cfg.groups:
+        raise ValueError("the config has no KV cache groups")
+    if max_num_seqs <= 0:
+        raise ValueError(f"{max_num_seqs=} must be positive")
+    shape = (len(cfg.groups), max_num_seqs, max_blocks_per_request(cfg))
+    return ManagerState(
+        pool=init_pool(cfg.num_blocks),
+        block_tables=jnp.full(shape, NULL_BLOCK, jnp.int32),
+        first_live_idx=jnp.zeros(shape[:2], jnp.int32),
+        num_computed=jnp.zeros(max_num_seqs, jnp.int32),
+    )
+
+
+def keep_from_idx(num_computed, rules: GroupRules, xp=jnp):
+    """int[R, G]: the first logical index each group still needs after `num_computed` [R, 1] tokens.
+
+    `xp` is jax.numpy on device or numpy on the host (the manager mirrors the counts).
+    """
+    n, bs = num_computed, rules.block_size
+    sliding = xp.maximum(n - rules.window + 1, 0) // bs
+    chunked = (n // rules.chunk) * rules.chunk // bs
+    state = xp.maximum(n - 1, 0) // bs
+    return xp.select(
+        [rules.kind == SLIDING_WINDOW, rules.kind == CHUNKED_LOCAL, rules.kind == MAMBA],
+        [sliding, chunked, state],
+        xp.zeros_like(sliding),
+    )
+
+
+def allocation_ranges(num_computed, num_new_tokens, first_live, rules: GroupRules, xp=jnp):
+    """The table ranges one allocation touches, per row and group.
+
+    num_computed, num_new_tokens: int[R, 1]; first_live: int[R, G].
+    Returns int[R, G] arrays (keep, num_released, first_new, need): entries
+    [first_live, keep) are released (a state group: only its old block, so at
+    most 1), then [first_new, first_new + need) get new blocks; keep is the new
+    first_live. A state group takes only the block of the last new token.
+    """
+    n, is_mamba = num_computed, rules.kind == MAMBA
+    table_len = -(-n // rules.block_size)
+    keep = xp.maximum(first_live, xp.minimum(keep_from_idx(n, rules, xp), table_len))
+    num_released = xp.where(is_mamba, xp.minimum(keep - first_live, 1), keep - first_live)
+    new_len = -(-(n + num_new_tokens) // rules.block_size)
+    first_new = xp.where(is_mamba, xp.maximum(table_len, new_len - 1), table_len)
+    return keep, num_released, first_new, new_len - first_new
+
+
+def held_ranges(num_computed, first_live, rules: GroupRules, xp=jnp):
+    """The table entries a request holds, per group: `start + i × stride`, i in [0, count).
+
+    num_computed: int[R, 1]; first_live: int[R, G]. Returns int[R, G] arrays
+    (start, count, stride). A state group holds at most two blocks: at first_live
+    and at the last index (entries may be NULL_BLOCK where nothing was taken).
+    """
+    table_len = -(-num_computed // rules.block_size)
+    start = xp.minimum(first_live, table_len)
+    last_idx = table_len - 1
+    is_mamba = rules.kind == MAMBA
+    count = xp.where(is_mamba, xp.where(table_len == 0, 0, xp.where(last_idx > start, 2, 1)), table_len - start)
+    stride = xp.where(is_mamba, xp.maximum(last_idx - start, 1), 1)
+    return start, count, stride
+
+
+def _ragged(counts, chunk_idx, size: int):
+    """Entries `chunk_idx × size + [0, size)` of the ragged list with `counts` int32[R, G].
+
+    Entries run request-major, then group, then along the range. Returns
+    (in_range bool[K], r [K], g [K], offset in the range [K], the range's count [K]).
+    Segment ids come from a scan over start markers (no search per entry).
+    """
+    num_groups = counts.shape[1]
+    flat = counts.reshape(-1)
+    ends = cumsum(flat)
+    starts = ends - flat
+    base = chunk_idx * size
+    rel = starts - base
+    marked = (flat > 0) & (rel >= 0) & (rel < size)
+    marker = jnp.full(size, -1, jnp.int32).at[jnp.where(marked, rel, size)].set(
+        jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
+    first_seg = jnp.sum(ends <= base, dtype=jnp.int32)  # the segment holding entry `base`
+    seg = lax.associative_scan(jnp.maximum, marker.at[0].max(first_seg))
+    seg = jnp.minimum(seg, flat.shape[0] - 1)
+    entry = base + jnp.arange(size, dtype=jnp.int32)
+    return entry < ends[-1], seg // num_groups, seg % num_groups, entry - starts[seg], flat[seg]
+
+
+def _table_idx(shape, g, s, j):
+    """Flat index into block_tables [G, S, M] (a flat gather/scatter is cheaper on CPU)."""
+    _, num_slots, max_blocks = shape
+    return (g * num_slots + s) * max_blocks + j
+
+
+def _release_ranges(state: ManagerState, slots, start, count, stride, size: int) -> ManagerState:
+    """Releases table entries `start + i × stride`, i in [0, count), tail first, per row and group.
+
+    slots int32[R] (valid, distinct); start, count, stride int32[R, G]. NULL entries are skipped.
+    """
+    shape = state.block_tables.shape
+    out_of_range = shape[0] * shape[1] * shape[2]
+
+    def release_chunk(chunk_idx, state):
+        in_range, r, g, offset, n = _ragged(count, chunk_idx, size)
+        j = start[r, g] + (n - 1 - offset) * stride[r, g]
+        idx = jnp.where(in_range, _table_idx(shape, g, slots[r], j), out_of_range)
+        tables = state.block_tables.reshape(-1)
+        block = tables.at[idx].get(mode="fill", fill_value=NULL_BLOCK)
+        # The written value depends on the read one (ids are ≥ 0), so XLA orders the
+        # read first and writes in place instead of copying the tables.
+        null = jnp.where(block < 0, block, NULL_BLOCK)
+        return dataclasses.replace(
+            state,
+            pool=release(state.pool, block, block != NULL_BLOCK),
+            block_tables=tables.at[idx].set(null, mode="drop").reshape(shape),
+        )
+
+    return lax.fori_loop(0, cdiv(jnp.sum(count), size), release_chunk, state)
+
+
+def _fill_ranges(state: ManagerState, slots, start, count, size: int) -> ManagerState:
+    """Gives table entries [start, start + count) per row and group new blocks, in entry order."""
+    shape = state.block_tables.shape
+    out_of_range = shape[0] * shape[1] * shape[2]
+    total = jnp.sum(count)
+
+    def fill_chunk(chunk_idx, state):
+        in_range, r, g, offset, _ = _ragged(count, chunk_idx, size)
+        pool, blocks = pop(state.pool, jnp.minimum(size, total - chunk_idx * size), size)
+        idx = jnp.where(in_range, _table_idx(shape, g, slots[r], start[r, g] + offset), out_of_range)
+        tables = state.block_tables.reshape(-1).at[idx].set(blocks, mode="drop").reshape(shape)
+        return dataclasses.replace(state, pool=pool, block_tables=tables)
+
+    return lax.fori_loop(0, cdiv(total, size), fill_chunk, state)
+
+
+def _rows(state: ManagerState, req_slots):
+    """(row bool[R]: not padding, slots for gathers [R], slots for scatters [R] (S on padding))."""
+    num_slots = state.num_computed.shape[0]
+    row = (req_slots >= 0) & (req_slots < num_slots)
+    return row, jnp.where(row, req_slots, 0), jnp.where(row, req_slots, num_slots)
+
+
+def _free_rows(state: ManagerState, req_slots, rules: GroupRules, size: int) -> ManagerState:
+    row, slots, scatter_slots = _rows(state, req_slots)
+    n = jnp.where(row, state.num_computed[slots], 0)[:, None]
+    start, count, stride = held_ranges(n, state.first_live_idx[:, slots].T, rules)
+    state = _release_ranges(state, slots, start, jnp.where(row[:, None], count, 0), stride, size)
+    return dataclasses.replace(
+        state,
+        first_live_idx=state.first_live_idx.at[:, scatter_slots].set(0, mode="drop"),
+        num_computed=state.num_computed.at[scatter_slots].set(0, mode="drop"),
+    )
+
+
+def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None, *,
+              cfg: KVCacheConfig, chunk_size: int | None = None) -> tuple[ManagerState, AllocateResult]:
+    """Makes room for `num_new_tokens` more tokens of each request, in priority order.
+
+    req_slots:       int32[R] distinct slots; S (= max_num_seqs) marks a padding row
+    num_new_tokens:  int32[R] tokens to schedule (≥ 0)
+    num_full_tokens: int32[R] or None; where > 0, admit only if blocks for that many
+                     tokens (capped per group at its admission cap) fit: vLLM's
+                     `full_sequence_must_fit`
+    free_slots:      int32[F] or None; requests to free first (as `free`), saving a
+                     dispatch; S marks padding
+
+    1. Every row releases, in every group, what the group no longer needs by the
+       tokens computed before the call (blocks behind a window are garbage either
+       way; DESIGN.md invariant 5 allows it).
+    2. Rows take blocks in order, all groups at once; the first row that does not
+       fit, and every row after it, takes nothing and keeps its table (ok False).
+       This matches a scheduler that preempts and retries from the failed row.
+    `chunk_size` (static) is how many table entries one loop step handles; any
+    total is correct, one step is fastest (default: a full engine step's worth).
+    Returns the state and an AllocateResult. Jitted as `allocate` (config and
+    chunk size static, state donated).
+    """
+    rules = group_rules(cfg)
+    size = chunk_size or default_chunk_size(cfg, req_slots.shape[0])
+    if free_slots is not None:
+        state = _free_rows(state, free_slots, rules, size)
+    row, slots, scatter_slots = _rows(state, req_slots)
+    n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
+    k = jnp.where(row, num_new_tokens, 0)[:, None]
+    first_live = state.first_live_idx[:, slots].T  # [R, G]
+    keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
+
+    # 1. Release behind windows, every row.
+    state = _release_ranges(state, slots, first_live, jnp.where(row[:, None], num_released, 0),
+                            jnp.ones_like(first_live), size)
+    state = dataclasses.replace(
+        state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(keep.T, mode="drop")
+    )
+
+    # 2. Take new blocks, rows in order while they fit.
+    num_need = jnp.sum(need, axis=1)
+    num_gate = num_need
+    if num_full_tokens is not None:
+        full = jnp.where(row, num_full_tokens, 0)[:, None]
+        table_len = -(-n // rules.block_size)
+        full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
+        full_need = jnp.sum(jnp.maximum(full_blocks - table_len, 0), axis=1)
+        num_gate = jnp.where(full[:, 0] > 0, jnp.maximum(num_need, full_need), num_need)
+    need_before = cumsum(num_need) - num_need
+    fits = need_before + num_gate <= state.pool.num_free_blocks
+    ok = (cumsum((~fits).astype(jnp.int32)) == 0) & row
+    state = _fill_ranges(state, slots, first_new, jnp.where(ok[:, None], need, 0), size)
+    num_slots = state.num_computed.shape[0]
+    num_computed = state.num_computed.at[jnp.where(ok, slots, num_slots)].set((n + k)[:, 0], mode="drop")
+    state = dataclasses.replace(state, num_computed=num_computed)
+    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks)
+
+
+def _free(state: ManagerState, req_slots, *, cfg: KVCacheConfig, chunk_size: int | None = None) -> ManagerState:
+    """Frees requests: every block they hold loses a reference; the slots become empty.
+
+    req_slots: int32[R] distinct slots; S marks a padding row. Per request the
+    blocks are freed group by group, each group tail first (vLLM's order), so
+    that among cached blocks a shared prefix is evicted after the tails.
+    Jitted as `free` (config and chunk size static, state donated).
+    """
+    size = chunk_size or default_chunk_size(cfg, req_slots.shape[0])
+    return _free_rows(state, req_slots, group_rules(cfg), size)
+
+
+def _slot_mappings(state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCacheConfig, num_tokens: int):
+    """int32[G, T]: `block_id × block_size + offset` of each scheduled token, per group.
+
+    Call after `allocate` with the same rows: row r's tokens are positions
+    [num_computed − num_new_tokens, num_computed), packed in row order into T =
+    `num_tokens` entries; padding entries and state (mamba) groups hold −1 (a
+    state layer reads and writes the block at `(num_computed − 1) // block_size`).
+    """
+    rules = group_rules(cfg)
+    num_groups, num_slots, max_blocks = state.block_tables.shape
+    row = (req_slots >= 0) & (req_slots < num_slots)
+    k = jnp.where(row, num_new_tokens, 0)
+    ends = cumsum(k)
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    r = jnp.minimum(jnp.searchsorted(ends, token, side="right"), k.shape[0] - 1)
+    slot = jnp.where(row[r], req_slots[r], 0)
+    pos = state.num_computed[slot] - ends[r] + token  # [T]
+    bs = rules.block_size[:, None]  # [G, 1]
+    idx = pos[None, :] // bs
+    block = state.block_tables[jnp.arange(num_groups)[:, None], slot[None, :], jnp.minimum(idx, max_blocks - 1)]
+    valid = (token < ends[-1])[None, :] & (block != NULL_BLOCK) & (rules.kind != MAMBA)[:, None]
+    return jnp.where(valid, block * bs + pos[None, :] % bs, -1)
+
+
+def _block_tables(state: ManagerState, req_slots):
+    """int32[G, R, M]: the rows' block tables as kernels take them (padding rows: NULL_BLOCK)."""
+    return state.block_tables.at[:, req_slots, :].get(mode="fill", fill_value=NULL_BLOCK)
+
+
+def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_steps: int,
+                  chunk_size: int | None = None):
+    """Runs `num_steps` decode steps on device: each allocates one token per row.
+
+    req_slots: int32[R]. A row that does not fit in a step stalls for that step
+    (allocate's batch rule applies per step). Returns the state, ok bool[num_steps, R]
+    and the decode tokens' slot mappings int32[num_steps, G, R] (−1 where not ok).
+    Equals `num_steps` calls of `allocate` + `slot_mappings`. Jitted as `decode_steps`.
+    """
+    rules = group_rules(cfg)
+    num_groups, num_slots, _ = state.block_tables.shape
+    row = (req_slots >= 0) & (req_slots < num_slots)
+    slots = jnp.where(row, req_slots, 0)
+    bs = rules.block_size[:, None]  # [G, 1]
+
+    def step(state, _):
+        state, result = _allocate(state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_size=chunk_size)
+        pos = jnp.maximum(state.num_computed[slots] - 1, 0)  # the decoded token's position [R]
+        block = state.block_tables[jnp.arange(num_groups)[:, None], slots[None, :], pos[None, :] // bs]
+        valid = result.ok[None, :] & (rules.kind != MAMBA)[:, None]
+        return state, (result.ok, jnp.where(valid, block * bs + pos[None, :] % bs, -1))
+
+    state, (ok, slot_mapping) = lax.scan(step, state, None, length=num_steps)
+    return state, ok, slot_mapping
+
+
+allocate = jax.jit(_allocate, static_argnames=("cfg", "chunk_size"), donate_argnames=("state",))
+free = jax.jit(_free, static_argnames=("cfg", "chunk_size"), donate_argnames=("state",))
+slot_mappings = jax.jit(_slot_mappings, static_argnames=("cfg", "num_tokens"))
+block_tables = jax.jit(_block_tables)
+decode_steps = jax.jit(_decode_steps, static_argnames=("cfg", "num_steps", "chunk_size"), donate_argnames=("state",))

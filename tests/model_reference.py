@@ -1,0 +1,163 @@
+"""Plain-Python model of jaxkv's block pool and block tables, one block at a time.
+
+It states the semantics of `jaxkv.state` and `jaxkv.pool` the slow, obvious
+way (lists, sequential loops); the tests compare every array of the jitted
+state with it after every step.
+
+* Free order: a list, head first. A freed uncached block is inserted at the
+  head, a freed cached block appended at the tail; allocation pops the head.
+* allocate: every row first releases what its groups no longer need (by the
+  tokens computed before the call), then rows take blocks in order until the
+  first one that does not fit; it and all later rows fail.
+* free: per request, group by group, each group's blocks tail first.
+"""
+
+from __future__ import annotations
+
+from jaxkv.config import KVCacheConfig
+from jaxkv.specs import NULL_BLOCK, cdiv
+
+
+class ModelState:
+    def __init__(self, cfg: KVCacheConfig, max_num_seqs: int):
+        self.cfg = cfg
+        self.num_blocks = cfg.num_blocks
+        self.groups = cfg.groups
+        self.max_blocks = cdiv(cfg.max_model_len, min(g.block_size for g in cfg.groups))
+        self.ref_cnt = [0] * self.num_blocks
+        self.order = list(range(1, self.num_blocks))  # free blocks, head (reused first) to tail
+        self.cached_group: dict[int, int] = {}  # block -> group it is cached for
+        num_groups = len(cfg.groups)
+        self.tables = [[[NULL_BLOCK] * self.max_blocks for _ in range(max_num_seqs)] for _ in range(num_groups)]
+        self.first_live = [[0] * max_num_seqs for _ in range(num_groups)]
+        self.num_computed = [0] * max_num_seqs
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.order)
+
+    # ---- pool ----------------------------------------------------------------------------
+    def release(self, blocks) -> None:
+        for b in blocks:
+            assert self.ref_cnt[b] > 0, f"model: double free of block {b}"
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                if b in self.cached_group:
+                    self.order.append(b)
+                else:
+                    self.order.insert(0, b)
+
+    def pop(self) -> int:
+        b = self.order.pop(0)
+        self.ref_cnt[b] = 1
+        self.cached_group.pop(b, None)
+        return b
+
+    def touch(self, blocks) -> None:
+        for b in blocks:
+            if self.ref_cnt[b] == 0:
+                self.order.remove(b)
+            self.ref_cnt[b] += 1
+
+    def mark_cached(self, blocks, group_idx: int) -> None:
+        for b in blocks:
+            self.cached_group[b] = group_idx
+
+    # ---- rules -----------------------------------------------------------------------------
+    def keep_from(self, g: int, n: int) -> int:
+        group = self.groups[g]
+        bs = group.block_size
+        if group.kind == "sliding_window":
+            return max(0, n - group.spec.sliding_window + 1) // bs
+        if group.kind == "chunked_local":
+            chunk = group.spec.attention_chunk_size
+            return (n // chunk) * chunk // bs
+        if group.kind == "mamba":
+            return max(0, n - 1) // bs
+        return 0
+
+    def new_range(self, g: int, n: int, k: int) -> range:
+        """Logical indices that get new blocks when k tokens follow n computed ones."""
+        bs = self.groups[g].block_size
+        table_len, new_len = cdiv(n, bs), cdiv(n + k, bs)
+        if self.groups[g].kind == "mamba":
+            return range(max(table_len, new_len - 1), new_len)
+        return range(table_len, new_len)
+
+    def _release_range(self, g: int, s: int, lo: int, hi: int) -> None:
+        for j in reversed(range(lo, hi)):
+            b = self.tables[g][s][j]
+            if b != NULL_BLOCK:
+                self.tables[g][s][j] = NULL_BLOCK
+                self.release([b])
+
+    # ---- transitions ------------------------------------------------------------------------
+    def allocate(self, slots, num_new_tokens, num_full_tokens=None) -> list[bool]:
+        for s in slots:
+            n = self.num_computed[s]
+            for g, group in enumerate(self.groups):
+                live = self.first_live[g][s]
+                keep = max(live, min(self.keep_from(g, n), cdiv(n, group.block_size)))
+                self._release_range(g, s, live, keep)
+                self.first_live[g][s] = keep
+        ok, used, failed = [], 0, False
+        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
+            n = self.num_computed[s]
+            need = sum(len(self.new_range(g, n, k)) for g in range(len(self.groups)))
+            gate = need
+            full = 0 if num_full_tokens is None else num_full_tokens[i]
+            if full > 0:
+                full_need = 0
+                for g, group in enumerate(self.groups):
+                    cap = group.spec.blocks_per_request(self.cfg.max_model_len, self.cfg.max_num_batched_tokens)
+                    full_need += max(0, min(cdiv(full, group.block_size), cap) - cdiv(n, group.block_size))
+                gate = max(need, full_need)
+            failed = failed or used + gate > self.num_free_blocks
+            ok.append(not failed)
+            if not failed:
+                used += need
+        for s, k, fits in zip(slots, num_new_tokens, ok):
+            if not fits:
+                continue
+            n = self.num_computed[s]
+            for g in range(len(self.groups)):
+                for j in self.new_range(g, n, k):
+                    self.tables[g][s][j] = self.pop()
+            self.num_computed[s] = n + k
+        return ok
+
+    def free(self, slots) -> None:
+        for s in slots:
+            for g in range(len(self.groups)):
+                self._release_range(g, s, 0, self.max_blocks)
+                self.first_live[g][s] = 0
+            self.num_computed[s] = 0
+
+
+def assert_state_matches(state, model: ModelState) -> None:
+    """Every array of a jaxkv ManagerState equals the model's (block ids included)."""
+    import jax
+    import numpy as np
+
+    state = jax.device_get(state)
+    np.testing.assert_array_equal(np.asarray(state.block_tables), np.asarray(model.tables), err_msg="block tables")
+    np.testing.assert_array_equal(state.num_computed, model.num_computed, err_msg="num_computed")
+    np.testing.assert_array_equal(state.first_live_idx, model.first_live, err_msg="first_live_idx")
+    assert_pool_matches(state.pool, model)
+
+
+def assert_pool_matches(pool, model: ModelState) -> None:
+    """Reference counts, free order, free count and cached groups of a PoolState equal the model's."""
+    import jax
+    import numpy as np
+
+    from jaxkv.pool import NOT_CACHED, free_order
+
+    pool = jax.device_get(pool)
+    np.testing.assert_array_equal(pool.ref_cnt, model.ref_cnt, err_msg="ref_cnt")
+    assert free_order(pool).tolist() == model.order, "free order"
+    assert int(pool.num_free_blocks) == model.num_free_blocks, "num_free_blocks"
+    group = np.full(model.num_blocks, NOT_CACHED)
+    for b, g in model.cached_group.items():
+        group[b] = g
+    np.testing.assert_array_equal(pool.block_group, group, err_msg="cached groups")
