@@ -93,8 +93,9 @@ def row_positions(first_query_pos, num_queries, cfg: AttentionConfig):
   the KV head's group; heads past group_size are padding.
   """
   row = lax.broadcasted_iota(jnp.int32, (cfg.rows, 1), 0)
-  query_in_tile = _div(row, cfg.group_pad)
-  head_in_group = row - query_in_tile * cfg.group_pad
+  # group_pad is a power of 2: shift and mask, no vector division.
+  query_in_tile = lax.shift_right_logical(row, jnp.int32(cfg.group_pad.bit_length() - 1))
+  head_in_group = lax.bitwise_and(row, jnp.int32(cfg.group_pad - 1))
   real = (query_in_tile < num_queries) & (head_in_group < cfg.group_size)
   return first_query_pos + query_in_tile, real
 
