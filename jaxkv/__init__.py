@@ -2,6 +2,22 @@
 
 from jaxkv.config import LAYOUTS, KVCacheConfig, KVCacheGroup, KVCacheTensor
 from jaxkv.hf_config import SUPPORTED_MODEL_TYPES, specs_from_hf_config
+from jaxkv.layout import (
+    DSA_INDEXER_FIELDS,
+    DSA_LATENT_FIELDS,
+    RowField,
+    allocate_cache,
+    buffer_spec,
+    find_layer,
+    is_typed,
+    locate_token,
+    read_rows,
+    state_fields,
+    typed_view,
+    with_layout,
+    write_rows,
+)
+from jaxkv.layout_html import render_layout_html
 from jaxkv.planning import GROUPINGS, plan, resolve_kv_sharing
 from jaxkv.hashing import UnitHasher, block_hash, digests_to_keys, mm_extra_keys, prompt_unit_hashes
 from jaxkv.prefix_rules import HitRule, group_hit_lens, prefix_hit_len

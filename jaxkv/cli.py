@@ -12,6 +12,7 @@ import sys
 
 from jaxkv.config import LAYOUTS
 from jaxkv.hf_config import specs_from_hf_config
+from jaxkv.layout_html import add_layout_parser
 from jaxkv.planning import GROUPINGS, plan
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxkv", description="jaxkv: paged KV caches for hybrid models")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
+    add_layout_parser(sub, parse_bytes)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -61,14 +61,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.config import KVCacheConfig, KVCacheTensor
+from jaxkv.config import LAYOUTS, KVCacheConfig, KVCacheTensor
+from jaxkv.planning import buffer_views
 from jaxkv.specs import NULL_BLOCK, AttentionSpec, MambaSpec, dtype_bytes
 
 _frozen = dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 
 
 @_frozen
-class Field:
+class RowField:
     """A typed part of a view's head row: `shape` elements of `dtype` from byte `offset`."""
 
     name: str
@@ -88,34 +89,34 @@ class Field:
 
 
 DSA_LATENT_FIELDS = (
-    Field(name="latent", dtype="float8_e4m3fn", shape=(512,), offset=0),
-    Field(name="scales", dtype="float32", shape=(4,), offset=512),
-    Field(name="rope", dtype="bfloat16", shape=(64,), offset=528),
+    RowField(name="latent", dtype="float8_e4m3fn", shape=(512,), offset=0),
+    RowField(name="scales", dtype="float32", shape=(4,), offset=512),
+    RowField(name="rope", dtype="bfloat16", shape=(64,), offset=528),
 )
 """DeepSeek-V3.2's 656 B MLA row (fp8_ds_mla): FP8 latent, one float32 scale per 128, bfloat16 RoPE part."""
 
 DSA_INDEXER_FIELDS = (
-    Field(name="key", dtype="float8_e4m3fn", shape=(128,), offset=0),
-    Field(name="scale", dtype="float32", shape=(1,), offset=128),
+    RowField(name="key", dtype="float8_e4m3fn", shape=(128,), offset=0),
+    RowField(name="scale", dtype="float32", shape=(1,), offset=128),
 )
 """DeepSeek-V3.2's 132 B indexer row: FP8 key and its float32 scale."""
 
 
-def state_fields(spec: MambaSpec) -> tuple[Field, ...]:
+def state_fields(spec: MambaSpec) -> tuple[RowField, ...]:
     """The state tensors of a state layer's page, one after the other."""
     fields, offset = [], 0
     for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes)):
-        fields.append(Field(name=f"state{i}", dtype=dtype, shape=shape, offset=offset))
+        fields.append(RowField(name=f"state{i}", dtype=dtype, shape=shape, offset=offset))
         offset += fields[-1].num_bytes
     return tuple(fields)
 
 
-def row_field(tensor: KVCacheTensor) -> Field:
+def whole_row(tensor: KVCacheTensor) -> RowField:
     """The whole head row of a view: C channels of the spec's dtype (raw bytes for a state)."""
     if isinstance(tensor.spec, AttentionSpec):
         dtype = tensor.spec.dtype
-        return Field(name="row", dtype=dtype, shape=(tensor.head_bytes // dtype_bytes(dtype),))
-    return Field(name="state", dtype="uint8", shape=(tensor.head_bytes,))
+        return RowField(name="row", dtype=dtype, shape=(tensor.head_bytes // dtype_bytes(dtype),))
+    return RowField(name="state", dtype="uint8", shape=(tensor.head_bytes,))
 
 
 # Buffer.
@@ -135,10 +136,23 @@ def buffer_spec(cfg: KVCacheConfig) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((size // unit, unit), jnp.uint8)
 
 
-def allocate(cfg: KVCacheConfig) -> jax.Array:
+def allocate_cache(cfg: KVCacheConfig) -> jax.Array:
     """The zero-filled cache of `cfg`. For a sharded cache, jit this with `static_argnums=0` and `out_shardings`."""
     spec = buffer_spec(cfg)
     return jnp.zeros(spec.shape, spec.dtype)
+
+
+def with_layout(cfg: KVCacheConfig, layout: str) -> KVCacheConfig:
+    """The same plan (groups, blocks) with its views laid out in `layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    nested = {
+        name: with_layout(getattr(cfg, name), layout)
+        for name in ("all_full", "vllm_grouping")
+        if getattr(cfg, name) is not None
+    }
+    tensors = buffer_views(cfg.groups, cfg.num_blocks, layout)
+    return dataclasses.replace(cfg, layout=layout, tensors=tensors, **nested)
 
 
 def num_layer_slots(cfg: KVCacheConfig) -> int:
@@ -196,7 +210,8 @@ def find_layer(cfg: KVCacheConfig, layer: str) -> tuple[int, int]:
     for i, t in enumerate(cfg.tensors):
         if owner in t.layers:
             return i, t.layers.index(owner)
-    raise ValueError(f"layer {layer!r} is not in this plan; its layers are {[n for t in cfg.tensors for n in t.layers]}")
+    names = [n for t in cfg.tensors for n in t.layers]
+    raise ValueError(f"layer {layer!r} is not in this plan; its layers are {names}")
 
 
 @_frozen
@@ -289,11 +304,11 @@ def locate_token(cfg: KVCacheConfig, group_idx: int, position: int, block_table)
 # Typed access.
 
 
-def typed_view(cache: jax.Array, cfg: KVCacheConfig, tensor_idx: int, field: Field | None = None) -> jax.Array:
+def typed_view(cache: jax.Array, cfg: KVCacheConfig, tensor_idx: int, field: RowField | None = None) -> jax.Array:
     """View `tensor_idx` of the cache as a typed array in the layout's axis order.
 
     Returns [B, L, H, N, *field.shape] for BLHNC ([L, B, N, H, ...] for LBNHC, and
-    so on); `field` defaults to the whole row (`row_field`). A typed cache with the
+    so on); `field` defaults to the whole row (`whole_row`). A typed cache with the
     default field is returned as is (L = `num_layer_slots`), so kernels get it
     without a copy; anything else is computed from the bytes (see the module
     docstring for when XLA copies).
@@ -301,7 +316,7 @@ def typed_view(cache: jax.Array, cfg: KVCacheConfig, tensor_idx: int, field: Fie
     t = cfg.tensors[tensor_idx]
     field = _check_field(t, field)
     if is_typed(cfg):
-        if field == row_field(t):
+        if field == whole_row(t):
             return cache
         return _from_bytes(_slice_field(_to_bytes(cache), field), field)
     num_layers = len(t.layers)
@@ -319,14 +334,14 @@ def typed_view(cache: jax.Array, cfg: KVCacheConfig, tensor_idx: int, field: Fie
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tensor_idx", "field"), donate_argnames=("cache",))
 def write_rows(
-    cache: jax.Array,  # from allocate(cfg)
+    cache: jax.Array,  # from allocate_cache(cfg)
     rows: jax.Array,  # [T, H, *field.shape] of field.dtype
     slot_mapping: jax.Array,  # int32[T]
     layer_idx: int | jax.Array,  # int32 scalar
     *,
     cfg: KVCacheConfig,
     tensor_idx: int = 0,
-    field: Field | None = None,
+    field: RowField | None = None,
 ) -> jax.Array:  # the same buffer, updated
     """Writes each token's row (or `field` of it) at its slot in layer `layer_idx` of view `tensor_idx`.
 
@@ -349,7 +364,7 @@ def write_rows(
     row_bytes = _to_bytes(rows.reshape(*expected[:2], -1))  # [T, H, field bytes]
     if is_typed(cfg):
         index = _typed_index(cache, cfg, t, slot_mapping, layer_idx, field)
-        channels = Field(name="channels", dtype=cache.dtype, shape=(field.num_bytes // cache.dtype.itemsize,))
+        channels = RowField(name="channels", dtype=cache.dtype, shape=(field.num_bytes // cache.dtype.itemsize,))
         return cache.at[index].set(_from_bytes(row_bytes, channels), mode="drop")
     row, col = _byte_index(cfg, t, slot_mapping, layer_idx, field)
     return cache.at[row, col].set(row_bytes, mode="drop")
@@ -357,13 +372,13 @@ def write_rows(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tensor_idx", "field"))
 def read_rows(
-    cache: jax.Array,  # from allocate(cfg)
+    cache: jax.Array,  # from allocate_cache(cfg)
     slot_mapping: jax.Array,  # int32[T]
     layer_idx: int | jax.Array,  # int32 scalar
     *,
     cfg: KVCacheConfig,
     tensor_idx: int = 0,
-    field: Field | None = None,
+    field: RowField | None = None,
 ) -> jax.Array:  # [T, H, *field.shape] of field.dtype
     """The rows (or `field` of them) at the given slots of layer `layer_idx` of view `tensor_idx`.
 
@@ -380,9 +395,9 @@ def read_rows(
     return _from_bytes(row_bytes, field)
 
 
-def _check_field(t: KVCacheTensor, field: Field | None) -> Field:
+def _check_field(t: KVCacheTensor, field: RowField | None) -> RowField:
     if field is None:
-        return row_field(t)
+        return whole_row(t)
     if field.offset + field.num_bytes > t.head_bytes:
         raise ValueError(
             f"field {field.name!r} covers bytes [{field.offset}, {field.offset + field.num_bytes}) of a "
@@ -456,11 +471,11 @@ def _to_bytes(x: jax.Array) -> jax.Array:
     return b.reshape(*x.shape[:-1], -1) if x.dtype.itemsize > 1 else b
 
 
-def _slice_field(row_bytes: jax.Array, field: Field) -> jax.Array:
+def _slice_field(row_bytes: jax.Array, field: RowField) -> jax.Array:
     return row_bytes[..., field.offset : field.offset + field.num_bytes]
 
 
-def _from_bytes(b: jax.Array, field: Field) -> jax.Array:
+def _from_bytes(b: jax.Array, field: RowField) -> jax.Array:
     """uint8 [..., field bytes] -> [..., *field.shape] of field.dtype."""
     dtype = jnp.dtype(field.dtype)
     itemsize = dtype.itemsize

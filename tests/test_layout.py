@@ -20,16 +20,17 @@ from jaxkv import (
 from jaxkv.layout import (
     DSA_INDEXER_FIELDS,
     DSA_LATENT_FIELDS,
-    Field,
-    allocate,
+    RowField,
+    allocate_cache,
     buffer_spec,
     find_layer,
     is_typed,
     locate_token,
     read_rows,
-    row_field,
+    whole_row,
     state_fields,
     typed_view,
+    with_layout,
     write_rows,
 )
 from pallas_kernels.paged_scatter import paged_scatter_reference
@@ -100,7 +101,7 @@ def test_deepseek_v32_example():
     # Real bytes through both views at slot 322 of layer 1, read back from the raw buffer.
     rng = np.random.default_rng(0)
     latent, key = random_values(rng, (1, 1, 656), np.uint8), random_values(rng, (1, 1, 132), np.uint8)
-    cache = allocate(cfg)
+    cache = allocate_cache(cfg)
     cache = write_rows(cache, jnp.asarray(latent), jnp.array([loc.slot]), 1, cfg=cfg, tensor_idx=0)
     cache = write_rows(cache, jnp.asarray(key), jnp.array([loc.slot]), 1, cfg=cfg, tensor_idx=1)
     raw = raw_bytes(cache)
@@ -117,7 +118,7 @@ def test_deepseek_v32_example():
 def test_rows_written_through_views_land_at_the_plan_addresses(name, layout):
     cfg = CONFIGS[name](layout)
     rng = np.random.default_rng(1)
-    cache = allocate(cfg)
+    cache = allocate_cache(cfg)
     spec = buffer_spec(cfg)
     assert (cache.shape, cache.dtype) == (spec.shape, spec.dtype)
     expected = np.zeros(cfg.tensors[0].size, np.uint8)
@@ -131,7 +132,7 @@ def test_rows_written_through_views_land_at_the_plan_addresses(name, layout):
         blocks = np.arange(1, cfg.num_blocks)
         blocks = blocks[blocks % num_groups == t.group_idx % num_groups]
         slots = (blocks[:, None] * t.tokens_per_block + np.arange(t.tokens_per_block)).reshape(-1)
-        field = row_field(t)
+        field = whole_row(t)
         for j in range(len(t.layers)):
             chosen = rng.choice(slots, size=min(5, len(slots)), replace=False).astype(np.int32)
             rows = random_values(rng, (len(chosen), t.num_heads, *field.shape), field.dtype)
@@ -159,7 +160,7 @@ def test_deepseek_v32_row_fields(layout):
     cfg = dsa(layout)
     rng = np.random.default_rng(2)
     slots = np.array([322, 65, 130], np.int32)
-    cache = allocate(cfg)
+    cache = allocate_cache(cfg)
     values = {}
     for i, fields in enumerate((DSA_LATENT_FIELDS, DSA_INDEXER_FIELDS)):
         for f in fields:
@@ -177,7 +178,8 @@ def test_deepseek_v32_row_fields(layout):
         np.testing.assert_array_equal(np.asarray(got), v)
     scales = np.asarray(typed_view(cache, cfg, 0, DSA_LATENT_FIELDS[1]))  # float32 [.., 4]
     where = {"B": 5, "L": 1, "H": 0, "N": 2}
-    np.testing.assert_array_equal(scales[tuple(where[a] for a in cfg.layout[:4])], values[0, DSA_LATENT_FIELDS[1]][0, 0])
+    expected = values[0, DSA_LATENT_FIELDS[1]][0, 0]  # slot 322 = block 5, position 2
+    np.testing.assert_array_equal(scales[tuple(where[a] for a in cfg.layout[:4])], expected)
 
 
 @pytest.mark.parametrize("layout", ["BLHNC", "LBNHC"])
@@ -188,13 +190,14 @@ def test_mamba_state_fields_beside_attention_pages(layout):
     assert t.page_bytes > t.spec.real_page_size_bytes  # padded to the attention page
     rng = np.random.default_rng(3)
     block = next(b for b in range(1, cfg.num_blocks) if b % len(cfg.groups) == t.group_idx)
-    cache = allocate(cfg)
+    cache = allocate_cache(cfg)
     raw_before = raw_bytes(cache).copy()
     for f in state_fields(t.spec):
         v = rng.normal(size=(1, 1, *f.shape)).astype(f.dtype)
         cache = write_rows(cache, jnp.asarray(v), jnp.array([block]), 1, cfg=cfg, tensor_idx=state_view, field=f)
         start = t.address(1, block) + f.offset
-        np.testing.assert_array_equal(raw_bytes(cache)[start : start + f.num_bytes].view(jnp.dtype(f.dtype)), v.reshape(-1))
+        written = raw_bytes(cache)[start : start + f.num_bytes].view(jnp.dtype(f.dtype))
+        np.testing.assert_array_equal(written, v.reshape(-1))
         np.testing.assert_array_equal(np.asarray(typed_view(cache, cfg, state_view, f))[
             (block, 1) if layout.startswith("B") else (1, block)][0, 0], v[0, 0])  # fmt: skip
     changed = np.flatnonzero(raw_bytes(cache) != raw_before)
@@ -217,16 +220,17 @@ def test_typed_cache_is_what_the_kernels_take(layout):
     got = write_rows(jnp.array(cache), rows, slots, 1, cfg=cfg, tensor_idx=0)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     # A field of whole channels: V of each head, channels [8, 16).
-    v = Field(name="v", dtype="bfloat16", shape=(8,), offset=16)
-    np.testing.assert_array_equal(np.asarray(read_rows(got, slots, 1, cfg=cfg, field=v)[:2]), np.asarray(rows[:2, :, 8:]))
+    v = RowField(name="v", dtype="bfloat16", shape=(8,), offset=16)
+    got_v = read_rows(got, slots, 1, cfg=cfg, field=v)
+    np.testing.assert_array_equal(np.asarray(got_v[:2]), np.asarray(rows[:2, :, 8:]))
 
 
 @pytest.mark.parametrize("name", ["dsa", "gemma_like"])
 def test_out_of_range_slots_and_layers_write_nothing(name):
     cfg = CONFIGS[name]("BLHNC")
     t = cfg.tensors[0]
-    field = row_field(t)
-    before = allocate(cfg)
+    field = whole_row(t)
+    before = allocate_cache(cfg)
     bad = [(-1, 0), (cfg.num_blocks * t.tokens_per_block, 0), (5, len(t.layers)), (5, -1)]
     for slot, layer in bad:
         rows = jnp.ones((1, t.num_heads, *field.shape), field.dtype)
@@ -240,7 +244,7 @@ def test_write_is_in_place_and_view_gathers_fuse():
     """XLA aliases the donated cache and moves only the rows; a gather from a typed view of bytes
     reads the buffer directly instead of materialising the view."""
     cfg = dsa(num_blocks=64)
-    cache = allocate(cfg)
+    cache = allocate_cache(cfg)
     rows, slots = jnp.zeros((3, 1, 656), jnp.uint8), jnp.array([64, 65, 66], jnp.int32)
     compiled = write_rows.lower(cache, rows, slots, 1, cfg=cfg).compile()
     stats = compiled.memory_analysis()
@@ -273,13 +277,19 @@ def test_find_layer_and_locate_token_errors():
 
 def test_bad_rows_and_fields_name_the_fix():
     cfg = dsa()
-    cache = allocate(cfg)
+    cache = allocate_cache(cfg)
     with pytest.raises(ValueError, match=r"must be \[T, H, \*field.shape\] = \(1, 1, 656\) of uint8"):
         write_rows(cache, jnp.zeros((1, 1, 600), jnp.uint8), jnp.array([1]), 0, cfg=cfg)
-    too_long = Field(name="x", dtype="float32", shape=(40,), offset=0)
+    too_long = RowField(name="x", dtype="float32", shape=(40,), offset=0)
     with pytest.raises(ValueError, match="choose a field inside the row"):
         read_rows(cache, jnp.array([1]), 0, cfg=cfg, tensor_idx=1, field=too_long)
     typed = gemma_like("BLHNC")
-    odd = Field(name="odd", dtype="uint8", shape=(3,), offset=1)
+    odd = RowField(name="odd", dtype="uint8", shape=(3,), offset=1)
     with pytest.raises(ValueError, match="align it to 2 B"):
-        read_rows(allocate(typed), jnp.array([1]), 0, cfg=typed, field=odd)
+        read_rows(allocate_cache(typed), jnp.array([1]), 0, cfg=typed, field=odd)
+
+
+def test_with_layout_matches_planning_in_that_layout():
+    for layout in LAYOUTS:
+        assert with_layout(gemma_like("BLHNC"), layout) == gemma_like(layout)
+        assert with_layout(dsa("LBNHC"), layout) == dsa(layout)
