@@ -1,0 +1,296 @@
+"""A continuous-batching serving loop: jaxkv manages the cache, the example model computes.
+
+Dimensions: R request rows (`max_num_seqs`), T tokens per step
+(`max_num_batched_tokens`), G KV cache groups, M max blocks per request,
+V vocabulary, N decode steps in one device loop.
+
+One engine step, on the host (the scheduler of ../shared/workloads/serving-workload.md):
+  1. running requests, in admission order, get their next prefill chunk or
+     decode token; if the pool runs dry, the most recently admitted request is
+     preempted (freed; it resumes later by recomputing, helped by the prefix cache);
+  2. if nothing was preempted, waiting requests are admitted with their
+     prefix-cache hit claimed;
+  3. one jitted model step writes the new K/V (`paged_scatter`) and attends
+     (`paged_attention`) through each group's block table, and the requests
+     whose tokens are all computed sample their next token (greedy).
+When every running request is decoding and nobody waits, `decode_steps`
+decode steps run in one jitted `lax.scan`, allocation included: the
+manager's pure transitions run on the device between model steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxkv
+from jaxkv import state as st
+from jaxkv.manager import KVCacheManager
+from model import Decoder, PagedStep, placements
+from sharding import cache_sharding
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the cache (0 while waiting)
+    num_preemptions: int = 0
+    logits: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # position -> logits [V]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclasses.dataclass
+class Stats:
+    steps: int = 0
+    device_loops: int = 0
+    tokens_computed: int = 0
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    peak_blocks_per_group: list[int] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _model_step(graphdef, places, mesh, params, cache, tokens, positions, step: PagedStep):
+    model = nnx.merge(graphdef, params)
+    return model.forward_paged(tokens, positions, cache, places, step, mesh)
+
+
+def _decode_loop(graphdef, places, mesh, kv_cfg, num_steps, params, cache, state, req_slots, next_token, remaining):
+    """N decode steps on device: allocate one token per row, write and attend, sample; repeat.
+
+    req_slots int32[R] (S = padding), next_token int32[R] (the token each row computes next),
+    remaining int32[R] (tokens each row may still produce). Returns the state, the cache,
+    produced bool[N, R], tokens int32[N, R] and logits float32[N, R, V].
+    """
+    rules = st.group_rules(kv_cfg)
+    num_groups, num_slots, _ = state.block_tables.shape
+    row = req_slots < num_slots
+    slots = jnp.where(row, req_slots, 0)
+    bs = jnp.asarray(rules.block_size)[:, None]  # [G, 1]
+    query_start_loc = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(row.astype(jnp.int32))])
+
+    def step(carry, s):
+        state, cache, token = carry
+        wanted = row & (s < remaining)
+        state, result = st.allocate(state, req_slots, wanted.astype(jnp.int32), cfg=kv_cfg)
+        produced = result.ok & wanted
+        seq_lens = jnp.where(row, state.num_computed[slots], 0)
+        pos = jnp.maximum(seq_lens - 1, 0)
+        block = state.block_tables[jnp.arange(num_groups)[:, None], slots[None, :], pos[None, :] // bs]
+        slot_mapping = jnp.where(produced[None, :], block * bs + pos[None, :] % bs, -1)
+        paged = PagedStep(slot_mapping=slot_mapping, block_tables=st.block_tables(state, req_slots),
+                          seq_lens=seq_lens, query_start_loc=query_start_loc)
+        logits, cache = _model_step(graphdef, places, mesh, params, cache, token, pos, paged)
+        token = jnp.where(produced, jnp.argmax(logits, axis=-1).astype(jnp.int32), token)
+        return (state, cache, token), (produced, token, logits)
+
+    (state, cache, _), (produced, tokens, logits) = jax.lax.scan(
+        step, (state, cache, next_token), jnp.arange(num_steps))
+    return state, cache, produced, tokens, logits
+
+
+class ServingLoop:
+    """Serves a `Decoder` over a jaxkv plan: continuous batching, chunked prefill, prefix reuse,
+    preemption and resumption, and on-device multi-step decode."""
+
+    def __init__(self, model: Decoder, kv_cfg: jaxkv.KVCacheConfig, *, max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 64, decode_steps: int = 8, record_logits: bool = False,
+                 mesh: jax.sharding.Mesh | None = None):
+        self.kv_cfg = kv_cfg
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_steps = decode_steps
+        self.record_logits = record_logits
+        self.mgr = KVCacheManager(kv_cfg, max_num_seqs=max_num_seqs, enable_prefix_caching=True)
+        spec = jaxkv.buffer_spec(kv_cfg)
+        self.cache = jnp.zeros(spec.shape, spec.dtype, device=cache_sharding(mesh))
+        graphdef, self.params = nnx.split(model)
+        places = placements(model.cfg, kv_cfg)
+        self._model_step = jax.jit(functools.partial(_model_step, graphdef, places, mesh), donate_argnums=(1,))
+        self._decode_loop = jax.jit(functools.partial(_decode_loop, graphdef, places, mesh, kv_cfg, decode_steps),
+                                    donate_argnums=(1, 2))
+        self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], progress: bool = False):
+        """Serves every prompt to completion; returns the finished `Request`s in prompt order."""
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * len(prompts)
+        requests = [Request(i, list(p), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
+        self.waiting = list(requests)
+        self.running: list[Request] = []
+        start = time.perf_counter()
+        while self.waiting or self.running:
+            if self._all_decoding() and self.decode_steps > 1:
+                self._device_decode()
+            else:
+                self._engine_step()
+            self._track_blocks()
+            if progress:
+                done = sum(r.done for r in requests)
+                bar = "#" * (30 * done // len(requests))
+                print(f"\r[{bar:<30}] {done}/{len(requests)} requests, {self.stats.tokens_generated} tokens",
+                      end="", file=sys.stderr, flush=True)
+        jax.block_until_ready(self.cache)
+        self.stats.seconds += time.perf_counter() - start
+        if progress:
+            print(file=sys.stderr)
+        return requests
+
+    def _all_decoding(self) -> bool:
+        return (not self.waiting and bool(self.running)
+                and all(len(r.tokens) - r.num_computed == 1 for r in self.running))
+
+    def _engine_step(self):
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        # 1. Running requests, in admission order; preempt the newest when the pool runs dry.
+        rows = list(self.running)
+        while rows and budget > 0:
+            asks, left = [], budget
+            for req in rows:
+                asks.append(min(len(req.tokens) - req.num_computed, left))
+                left -= asks[-1]
+            ok = self.mgr.allocate_slots_batch([r.request_id for r in rows], asks)
+            num_ok = len(ok) if ok.all() else int(np.argmin(ok))
+            for req, k in zip(rows[:num_ok], asks[:num_ok]):
+                scheduled.append((req, k))
+                budget -= k
+            if num_ok == len(rows):
+                break
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted = True
+            if victim is rows[num_ok]:
+                break
+            rows = [r for r in rows[num_ok:] if r is not victim]
+        # 2. Admit waiting requests while nothing was preempted.
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            self.mgr.add_request(req.request_id, req.tokens)
+            hit = self.mgr.get_computed_tokens(req.request_id)
+            k = min(len(req.tokens) - hit, budget)
+            if not self.mgr.allocate_slots_batch([req.request_id], [k], [hit], full_sequence_must_fit=True)[0]:
+                self.mgr.free(req.request_id)
+                break
+            self.waiting.pop(0)
+            self.running.append(req)
+            req.num_computed = hit
+            self.stats.prompt_tokens += len(req.tokens)
+            self.stats.prefix_hit_tokens += hit
+            scheduled.append((req, k))
+            budget -= k
+        if scheduled:
+            self._run_model(scheduled)
+
+    def _preempt(self, req: Request):
+        self.mgr.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.waiting.insert(0, req)
+        self.stats.preemptions += 1
+
+    def _run_model(self, scheduled: list[tuple[Request, int]]):
+        num_tokens, num_rows = self.max_num_batched_tokens, self.max_num_seqs
+        tokens = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        req_slots = np.full(num_rows, num_rows, np.int32)
+        num_new = np.zeros(num_rows, np.int32)
+        seq_lens = np.zeros(num_rows, np.int32)
+        query_start_loc = np.zeros(num_rows + 1, np.int32)
+        slots = self.mgr.slots_of([req.request_id for req, _ in scheduled])
+        t = 0
+        for i, (req, k) in enumerate(scheduled):
+            tokens[t: t + k] = req.tokens[req.num_computed: req.num_computed + k]
+            positions[t: t + k] = np.arange(req.num_computed, req.num_computed + k)
+            req_slots[i], num_new[i] = slots[i], k
+            seq_lens[i] = req.num_computed + k
+            t += k
+            query_start_loc[i + 1:] = t
+        state = self.mgr.state
+        step = PagedStep(
+            slot_mapping=st.slot_mappings(state, req_slots, num_new, cfg=self.kv_cfg, num_tokens=num_tokens),
+            block_tables=st.block_tables(state, req_slots),
+            seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(query_start_loc))
+        logits, self.cache = self._model_step(self.params, self.cache, tokens, positions, step)
+        logits = np.asarray(logits)
+        self.stats.steps += 1
+        self.stats.tokens_computed += t
+        t = 0
+        for req, k in scheduled:
+            if self.record_logits:
+                for j in range(k):
+                    req.logits[req.num_computed + j] = logits[t + j]
+            req.num_computed += k
+            t += k
+            if req.num_computed == len(req.tokens):
+                self._emit(req, [int(np.argmax(logits[t - 1]))])
+
+    def _device_decode(self):
+        num_rows = self.max_num_seqs
+        req_slots = np.full(num_rows, num_rows, np.int32)
+        next_token = np.zeros(num_rows, np.int32)
+        remaining = np.zeros(num_rows, np.int32)
+        n = len(self.running)
+        req_slots[:n] = self.mgr.slots_of([r.request_id for r in self.running])
+        next_token[:n] = [r.tokens[-1] for r in self.running]
+        remaining[:n] = [r.max_new_tokens - len(r.output) for r in self.running]
+        state, self.cache, produced, tokens, logits = self._decode_loop(
+            self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining)
+        produced, tokens = np.asarray(produced), np.asarray(tokens)
+        logits = np.asarray(logits) if self.record_logits else None
+        self.mgr.adopt_state(state, [r.request_id for r in self.running])
+        self.stats.device_loops += 1
+        self.stats.steps += self.decode_steps
+        for i, req in enumerate(list(self.running)):
+            steps = np.flatnonzero(produced[:, i])
+            self.stats.tokens_computed += len(steps)
+            for s in steps:
+                if self.record_logits:
+                    req.logits[req.num_computed] = logits[s, i]
+                req.num_computed += 1
+            self._emit(req, tokens[steps, i].tolist())
+
+    def _emit(self, req: Request, new_tokens: list[int]):
+        """Appends sampled tokens; frees the request once it has all its outputs."""
+        new_tokens = new_tokens[: req.max_new_tokens - len(req.output)]
+        req.output.extend(new_tokens)
+        self.stats.tokens_generated += len(new_tokens)
+        if req.done:
+            self.mgr.free(req.request_id)
+            self.running.remove(req)
+        elif new_tokens:
+            self.mgr.append_token_ids(req.request_id, new_tokens)
+
+    def _track_blocks(self):
+        for g, n in enumerate(self.blocks_in_use()):
+            self.stats.peak_blocks_per_group[g] = max(self.stats.peak_blocks_per_group[g], n)
+
+    def blocks_in_use(self) -> list[int]:
+        """Distinct non-null blocks held per group by the running requests (one transfer)."""
+        if not self.running:
+            return [0] * len(self.kv_cfg.groups)
+        slots = self.mgr.slots_of([r.request_id for r in self.running])
+        tables = np.asarray(self.mgr.state.block_tables[:, slots, :])  # [G, R, M]
+        return [len(np.setdiff1d(np.unique(t), [jaxkv.NULL_BLOCK])) for t in tables]

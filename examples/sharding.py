@@ -1,0 +1,58 @@
+"""Sharding the paged cache and the kernels over KV heads along a "model" mesh axis.
+
+The cache [B, L, K, N, C] is split over K; each device's kernels see only its
+heads (queries [T, N, H] split over N the same way, so query head j still reads
+KV head j // (N / K)). Block tables, slot mappings and the manager state are
+replicated: every device runs the same bookkeeping. Parameters are replicated
+(the model is small); XLA shards the projections around the kernels as needed.
+
+On a multi-GPU host the same code runs with `jax.devices()` as they are; on a
+multi-host TPU pod (or several GPU hosts) call `jax.distributed.initialize()`
+in every process first, then build the mesh from all `jax.devices()`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_scatter import paged_scatter
+
+AXIS = "model"
+HEADS = P(None, AXIS)  # [T, heads, ...] split over heads
+CACHE_HEADS = P(None, None, AXIS)  # [B, L, K, N, C] split over K
+
+
+def model_mesh(num_devices: int) -> jax.sharding.Mesh:
+    if jax.device_count() < num_devices:
+        raise ValueError(f"{num_devices=} devices asked for, {jax.device_count()} present; on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before JAX starts")
+    return jax.make_mesh((num_devices,), (AXIS,), devices=jax.devices()[:num_devices])
+
+
+def cache_sharding(mesh: jax.sharding.Mesh | None):
+    return None if mesh is None else NamedSharding(mesh, CACHE_HEADS)
+
+
+def kernels(mesh: jax.sharding.Mesh | None):
+    """(scatter, attention) with the signatures of `paged_scatter` / `paged_attention`,
+    run per shard of KV heads when `mesh` is given."""
+    if mesh is None:
+        return paged_scatter, paged_attention
+
+    def scatter(cache, rows, slot_mapping, layer_idx):
+        return jax.shard_map(
+            lambda c, r, s: paged_scatter(c, r, s, layer_idx), mesh=mesh, check_vma=False,
+            in_specs=(CACHE_HEADS, HEADS, P()), out_specs=CACHE_HEADS,
+        )(cache, rows, slot_mapping)
+
+    def attention(q, cache, query_start_loc, seq_lens, block_tables, layer_idx, **static):
+        return jax.shard_map(
+            lambda *a: paged_attention(*a, layer_idx, **static), mesh=mesh, check_vma=False,
+            in_specs=(HEADS, CACHE_HEADS, P(), P(), P()), out_specs=HEADS,
+        )(q, cache, query_start_loc, seq_lens, block_tables)
+
+    return scatter, attention
