@@ -97,9 +97,43 @@ def init_pool(num_blocks: int) -> PoolState:
     )
 
 
-def cumsum(x):
-    """Inclusive cumulative sum along the last axis (a log-depth scan: faster than XLA:CPU's cumsum)."""
-    return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+_SCAN_WIDTH = 32
+
+
+def _triangular(n: int, dtype):
+    return jnp.triu(jnp.ones((n, n), dtype))
+
+
+def cumsum(x, bound: int | None = None):
+    """Inclusive cumulative sum of int32 `x` along the last axis.
+
+    Blocks of 32 are summed by a matmul with a triangular matrix, the block
+    totals recursively: a handful of ops, where XLA:CPU's own cumsum and
+    `lax.associative_scan` cost many (each op has a fixed cost on CPU). With a
+    static `bound` on the absolute sum below 2^24 the matmuls run in float32
+    (faster, and exact for such integers).
+    """
+    if bound is not None and bound < 2**24:
+        return _cumsum(x.astype(jnp.float32)).astype(x.dtype)
+    return _cumsum(x)
+
+
+def _cumsum(x):
+    n = x.shape[-1]
+    if n <= _SCAN_WIDTH:
+        return x @ _triangular(n, x.dtype)
+    num_rows = -(-n // _SCAN_WIDTH)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, num_rows * _SCAN_WIDTH - n)])
+    rows = padded.reshape(*x.shape[:-1], num_rows, _SCAN_WIDTH)
+    within = rows @ _triangular(_SCAN_WIDTH, x.dtype)
+    totals = within[..., -1]
+    offsets = _cumsum(totals) - totals
+    return (within + offsets[..., None]).reshape(*x.shape[:-1], -1)[..., :n]
+
+
+def count_prefix(flags):
+    """int32 inclusive prefix counts of 0/1 `flags` along the last axis."""
+    return cumsum(flags.astype(jnp.int32), bound=flags.shape[-1])
 
 
 def pop(pool: PoolState, num_blocks, size: int) -> tuple[PoolState, jax.Array]:
@@ -129,7 +163,7 @@ def pop(pool: PoolState, num_blocks, size: int) -> tuple[PoolState, jax.Array]:
             pos = jnp.mod(head + window, capacity)
             block = pool.free_ring[pos]
             valid = (window < count) & (pool.queue_pos[block] == pos) & (pool.ref_cnt[block] == 0)
-            rank = num_taken + cumsum(valid.astype(jnp.int32)) - 1
+            rank = num_taken + count_prefix(valid) - 1
             take = valid & (rank < num_blocks)
             out = out.at[jnp.where(take, rank, size)].set(block, mode="drop")
             num_taken_now = num_taken + jnp.sum(take, dtype=jnp.int32)
@@ -164,7 +198,7 @@ def _compact(free_ring, queue_pos, ring_head, ring_count, ref_cnt):
     pos = jnp.mod(ring_head + offsets, capacity)
     block = free_ring[pos]
     valid = (offsets < ring_count) & (queue_pos[block] == pos) & (ref_cnt[block] == 0)
-    new_pos = cumsum(valid.astype(jnp.int32)) - 1
+    new_pos = count_prefix(valid) - 1
     return (
         jnp.zeros_like(free_ring).at[jnp.where(valid, new_pos, capacity)].set(block, mode="drop"),
         queue_pos.at[jnp.where(valid, block, num_pool_blocks)].set(new_pos, mode="drop"),
@@ -206,7 +240,7 @@ def release(pool: PoolState, blocks, valid) -> PoolState:
     to_head, to_tail = freed & ~cached, freed & cached
     num_head = jnp.sum(to_head, dtype=jnp.int32)
     num_tail = jnp.sum(to_tail, dtype=jnp.int32)
-    rank = cumsum(jnp.stack([to_head, to_tail]).astype(jnp.int32))
+    rank = count_prefix(jnp.stack([to_head, to_tail]))
     head_pos = head - rank[0]
     tail_pos = head + count + rank[1] - 1
     pos = jnp.mod(jnp.where(to_head, head_pos, tail_pos), capacity)

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jaxkv.config import KVCacheConfig
-from jaxkv.pool import PoolState, cumsum, init_pool, pop, release
+from jaxkv.pool import PoolState, count_prefix, cumsum, init_pool, pop, release
 from jaxkv.specs import NULL_BLOCK, cdiv
 
 FULL, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA = 0, 1, 2, 3
@@ -112,11 +112,20 @@ def max_blocks_per_request(cfg: KVCacheConfig) -> int:
     return cdiv(cfg.max_model_len, min(g.block_size for g in cfg.groups))
 
 
-def default_chunk_size(cfg: KVCacheConfig, num_requests: int) -> int:
-    """K for a call over R requests: the blocks one engine step of R requests usually takes."""
+def default_chunk_sizes(cfg: KVCacheConfig, num_requests: int) -> tuple[int, ...]:
+    """K choices for a call over R requests: 512, 2048, ... (× 4) up to the entries one engine
+    step of R requests can touch.
+
+    Each loop takes the smallest that covers its total in one step (the largest, in several,
+    otherwise): decode steps touch a few entries, prefill-heavy ones thousands.
+    """
     rules = group_rules(cfg)
     per_step = rules.num_groups * (cdiv(cfg.max_num_batched_tokens, int(rules.block_size.min())) + num_requests)
-    return int(min(1 << (per_step - 1).bit_length(), rules.num_groups * num_requests * max_blocks_per_request(cfg)))
+    full = int(min(1 << (per_step - 1).bit_length(), rules.num_groups * num_requests * max_blocks_per_request(cfg)))
+    sizes = [full]
+    while sizes[-1] > 512:
+        sizes.append(max(sizes[-1] // 4, 512))
+    return tuple(sorted(set(min(size, full) for size in sizes)))
 
 
 def init_state(cfg: KVCacheConfig, max_num_seqs: int) -> ManagerState:
@@ -138,16 +147,19 @@ def keep_from_idx(num_computed, rules: GroupRules, xp=jnp):
     """int[R, G]: the first logical index each group still needs after `num_computed` [R, 1] tokens.
 
     `xp` is jax.numpy on device or numpy on the host (the manager mirrors the counts).
+    Only the kinds present in the config are computed.
     """
     n, bs = num_computed, rules.block_size
-    sliding = xp.maximum(n - rules.window + 1, 0) // bs
-    chunked = (n // rules.chunk) * rules.chunk // bs
-    state = xp.maximum(n - 1, 0) // bs
-    return xp.select(
-        [rules.kind == SLIDING_WINDOW, rules.kind == CHUNKED_LOCAL, rules.kind == MAMBA],
-        [sliding, chunked, state],
-        xp.zeros_like(sliding),
-    )
+    rule_of_kind = {
+        SLIDING_WINDOW: lambda: xp.maximum(n - rules.window + 1, 0) // bs,
+        CHUNKED_LOCAL: lambda: (n // rules.chunk) * rules.chunk // bs,
+        MAMBA: lambda: xp.maximum(n - 1, 0) // bs,
+    }
+    keep = xp.zeros_like(n + bs)
+    for kind, rule in rule_of_kind.items():
+        if (rules.kind == kind).any():
+            keep = xp.where(rules.kind == kind, rule(), keep)
+    return keep
 
 
 def allocation_ranges(num_computed, num_new_tokens, first_live, rules: GroupRules, xp=jnp):
@@ -184,75 +196,119 @@ def held_ranges(num_computed, first_live, rules: GroupRules, xp=jnp):
     return start, count, stride
 
 
-def _ragged(counts, chunk_idx, size: int):
-    """Entries `chunk_idx × size + [0, size)` of the ragged list with `counts` int32[R, G].
+def _range_layout(count, max_entries: int):
+    """Layout of the ragged list of entries of the ranges with `count` int32[Q] (range-major).
 
-    Entries run request-major, then group, then along the range. Returns
-    (in_range bool[K], r [K], g [K], offset in the range [K], the range's count [K]).
-    Segment ids come from a scan over start markers (no search per entry).
+    `max_entries` (static) bounds the total.
+
+    Returns (range_starts [Q], nonempty bool[Q], nonempty_ids [Q]: the non-empty ranges in
+    order, total []).
     """
-    num_groups = counts.shape[1]
-    flat = counts.reshape(-1)
-    ends = cumsum(flat)
-    starts = ends - flat
+    num_ranges = count.shape[0]
+    ends = cumsum(count, bound=max_entries)
+    nonempty = count > 0
+    nonempty_rank = count_prefix(nonempty) - 1
+    nonempty_ids = jnp.zeros(num_ranges, jnp.int32).at[jnp.where(nonempty, nonempty_rank, num_ranges)].set(
+        jnp.arange(num_ranges, dtype=jnp.int32), mode="drop")
+    return ends - count, nonempty, nonempty_ids, ends[-1]
+
+
+def _range_chunk(layout, chunk_idx, size: int):
+    """Entries `chunk_idx × size + [0, size)` of the ragged list (`layout` from `_range_layout`).
+
+    Returns (in_range bool[K], range id [K], offset within the range [K]). An entry's range
+    is the last non-empty one starting at or before it: a prefix count of range starts,
+    no search per entry.
+    """
+    range_starts, nonempty, nonempty_ids, total = layout
     base = chunk_idx * size
-    rel = starts - base
-    marked = (flat > 0) & (rel >= 0) & (rel < size)
-    marker = jnp.full(size, -1, jnp.int32).at[jnp.where(marked, rel, size)].set(
-        jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
-    first_seg = jnp.sum(ends <= base, dtype=jnp.int32)  # the segment holding entry `base`
-    seg = lax.associative_scan(jnp.maximum, marker.at[0].max(first_seg))
-    seg = jnp.minimum(seg, flat.shape[0] - 1)
+    rel = range_starts - base
+    starts_here = jnp.zeros(size, jnp.int32).at[jnp.where(nonempty & (rel >= 0), rel, size)].add(1, mode="drop")
+    started_before = jnp.sum(nonempty & (rel < 0), dtype=jnp.int32)
+    rank = jnp.clip(started_before + count_prefix(starts_here) - 1, 0, nonempty_ids.shape[0] - 1)
+    range_id = nonempty_ids[rank]
     entry = base + jnp.arange(size, dtype=jnp.int32)
-    return entry < ends[-1], seg // num_groups, seg % num_groups, entry - starts[seg], flat[seg]
+    return entry < total, range_id, entry - range_starts[range_id]
 
 
-def _table_idx(shape, g, s, j):
-    """Flat index into block_tables [G, S, M] (a flat gather/scatter is cheaper on CPU)."""
-    _, num_slots, max_blocks = shape
-    return (g * num_slots + s) * max_blocks + j
+def _in_chunks(total, chunk_sizes: tuple[int, ...], body_for_size, state):
+    """Runs `body_for_size(size)(chunk_idx, state)` over all `total` entries, `size` per step.
 
-
-def _release_ranges(state: ManagerState, slots, start, count, stride, size: int) -> ManagerState:
-    """Releases table entries `start + i × stride`, i in [0, count), tail first, per row and group.
-
-    slots int32[R] (valid, distinct); start, count, stride int32[R, G]. NULL entries are skipped.
+    Takes the smallest size that covers the total (else the largest, in several steps). One
+    loop per size, all but the chosen one run zero steps: unlike `lax.switch`, loops carry the
+    state in place (a conditional over the state would copy it).
     """
+    choice = sum((total > size).astype(jnp.int32) for size in chunk_sizes[:-1])
+    for i, size in enumerate(chunk_sizes):
+        num_steps = jnp.where(choice == i, cdiv(total, size), 0)
+        state = lax.fori_loop(0, num_steps, body_for_size(size), state)
+    return state
+
+
+def _table_ranges(shape, slots, start, count, stride=None):
+    """Flattens per-row, per-group table ranges to per-range arrays [Q = R × G].
+
+    Returns (count [Q], first flat table index [Q], flat index step [Q]): entry i of range q
+    is table entry `first[q] + i × step[q]` of block_tables [G, S, M] flattened.
+    """
+    num_groups, num_slots, max_blocks = shape
+    g = jnp.arange(num_groups, dtype=jnp.int32)[None, :]
+    first = (g * num_slots + slots[:, None]) * max_blocks + start
+    step = jnp.ones_like(start) if stride is None else stride
+    return count.reshape(-1), first.reshape(-1), step.reshape(-1)
+
+
+def _release_ranges(state: ManagerState, ranges, chunk_sizes) -> ManagerState:
+    """Releases the table entries of `ranges` (from `_table_ranges`), each range tail first.
+
+    NULL entries are skipped; released entries become NULL.
+    """
+    count, first, step = ranges
     shape = state.block_tables.shape
     out_of_range = shape[0] * shape[1] * shape[2]
+    layout = _range_layout(count, max_entries=count.shape[0] * shape[2])
+    attrs = jnp.stack([first, step, count], axis=1)  # one gather per entry instead of three
 
-    def release_chunk(chunk_idx, state):
-        in_range, r, g, offset, n = _ragged(count, chunk_idx, size)
-        j = start[r, g] + (n - 1 - offset) * stride[r, g]
-        idx = jnp.where(in_range, _table_idx(shape, g, slots[r], j), out_of_range)
-        tables = state.block_tables.reshape(-1)
-        block = tables.at[idx].get(mode="fill", fill_value=NULL_BLOCK)
-        # The written value depends on the read one (ids are ≥ 0), so XLA orders the
-        # read first and writes in place instead of copying the tables.
-        null = jnp.where(block < 0, block, NULL_BLOCK)
-        return dataclasses.replace(
-            state,
-            pool=release(state.pool, block, block != NULL_BLOCK),
-            block_tables=tables.at[idx].set(null, mode="drop").reshape(shape),
-        )
+    def release_body(size):
+        def release_chunk(chunk_idx, state):
+            in_range, range_id, offset = _range_chunk(layout, chunk_idx, size)
+            first_idx, idx_step, n = attrs[range_id].T
+            idx = jnp.where(in_range, first_idx + (n - 1 - offset) * idx_step, out_of_range)
+            tables = state.block_tables.reshape(-1)
+            block = tables.at[idx].get(mode="fill", fill_value=NULL_BLOCK)
+            # The written value depends on the read one (ids are ≥ 0), so XLA orders the
+            # read first and writes in place instead of copying the tables.
+            null = jnp.where(block < 0, block, NULL_BLOCK)
+            return dataclasses.replace(
+                state,
+                pool=release(state.pool, block, block != NULL_BLOCK),
+                block_tables=tables.at[idx].set(null, mode="drop").reshape(shape),
+            )
 
-    return lax.fori_loop(0, cdiv(jnp.sum(count), size), release_chunk, state)
+        return release_chunk
+
+    return _in_chunks(layout[-1], chunk_sizes, release_body, state)
 
 
-def _fill_ranges(state: ManagerState, slots, start, count, size: int) -> ManagerState:
-    """Gives table entries [start, start + count) per row and group new blocks, in entry order."""
+def _fill_ranges(state: ManagerState, ranges, chunk_sizes) -> ManagerState:
+    """Gives the table entries of `ranges` (from `_table_ranges`, step 1) new blocks, in order."""
+    count, first, _ = ranges
     shape = state.block_tables.shape
     out_of_range = shape[0] * shape[1] * shape[2]
-    total = jnp.sum(count)
+    layout = _range_layout(count, max_entries=count.shape[0] * shape[2])
+    total = layout[-1]
 
-    def fill_chunk(chunk_idx, state):
-        in_range, r, g, offset, _ = _ragged(count, chunk_idx, size)
-        pool, blocks = pop(state.pool, jnp.minimum(size, total - chunk_idx * size), size)
-        idx = jnp.where(in_range, _table_idx(shape, g, slots[r], start[r, g] + offset), out_of_range)
-        tables = state.block_tables.reshape(-1).at[idx].set(blocks, mode="drop").reshape(shape)
-        return dataclasses.replace(state, pool=pool, block_tables=tables)
+    def fill_body(size):
+        def fill_chunk(chunk_idx, state):
+            in_range, range_id, offset = _range_chunk(layout, chunk_idx, size)
+            pool, blocks = pop(state.pool, jnp.minimum(size, total - chunk_idx * size), size)
+            idx = jnp.where(in_range, first[range_id] + offset, out_of_range)
+            tables = state.block_tables.reshape(-1).at[idx].set(blocks, mode="drop").reshape(shape)
+            return dataclasses.replace(state, pool=pool, block_tables=tables)
 
-    return lax.fori_loop(0, cdiv(total, size), fill_chunk, state)
+        return fill_chunk
+
+    return _in_chunks(total, chunk_sizes, fill_body, state)
 
 
 def _rows(state: ManagerState, req_slots):
@@ -262,20 +318,25 @@ def _rows(state: ManagerState, req_slots):
     return row, jnp.where(row, req_slots, 0), jnp.where(row, req_slots, num_slots)
 
 
-def _free_rows(state: ManagerState, req_slots, rules: GroupRules, size: int) -> ManagerState:
+def _forget_rows(state: ManagerState, req_slots, rules: GroupRules):
+    """Empties the slots of requests being freed; returns the state and the ranges they held.
+
+    The table entries are left for `_release_ranges`.
+    """
     row, slots, scatter_slots = _rows(state, req_slots)
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]
     start, count, stride = held_ranges(n, state.first_live_idx[:, slots].T, rules)
-    state = _release_ranges(state, slots, start, jnp.where(row[:, None], count, 0), stride, size)
-    return dataclasses.replace(
+    ranges = _table_ranges(state.block_tables.shape, slots, start, jnp.where(row[:, None], count, 0), stride)
+    state = dataclasses.replace(
         state,
         first_live_idx=state.first_live_idx.at[:, scatter_slots].set(0, mode="drop"),
         num_computed=state.num_computed.at[scatter_slots].set(0, mode="drop"),
     )
+    return state, ranges
 
 
 def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None, *,
-              cfg: KVCacheConfig, chunk_size: int | None = None) -> tuple[ManagerState, AllocateResult]:
+              cfg: KVCacheConfig, chunk_sizes: tuple[int, ...] | None = None) -> tuple[ManagerState, AllocateResult]:
     """Makes room for `num_new_tokens` more tokens of each request, in priority order.
 
     req_slots:       int32[R] distinct slots; S (= max_num_seqs) marks a padding row
@@ -286,30 +347,34 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     free_slots:      int32[F] or None; requests to free first (as `free`), saving a
                      dispatch; S marks padding
 
-    1. Every row releases, in every group, what the group no longer needs by the
-       tokens computed before the call (blocks behind a window are garbage either
-       way; DESIGN.md invariant 5 allows it).
+    1. The freed requests release their blocks; then every row releases, in every
+       group, what the group no longer needs by the tokens computed before the
+       call (blocks behind a window are garbage either way; DESIGN.md invariant 5
+       allows it). One pass over all released table entries.
     2. Rows take blocks in order, all groups at once; the first row that does not
        fit, and every row after it, takes nothing and keeps its table (ok False).
        This matches a scheduler that preempts and retries from the failed row.
-    `chunk_size` (static) is how many table entries one loop step handles; any
-    total is correct, one step is fastest (default: a full engine step's worth).
-    Returns the state and an AllocateResult. Jitted as `allocate` (config and
-    chunk size static, state donated).
+    `chunk_sizes` (static): how many table entries one loop step may handle; each
+    loop takes the smallest that covers its total (default `default_chunk_sizes`).
+    Any choice is correct. Returns the state and an AllocateResult. Jitted as
+    `allocate` (config and chunk sizes static, state donated).
     """
     rules = group_rules(cfg)
-    size = chunk_size or default_chunk_size(cfg, req_slots.shape[0])
+    sizes = chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0])
+    shape = state.block_tables.shape
     if free_slots is not None:
-        state = _free_rows(state, free_slots, rules, size)
+        state, freed_ranges = _forget_rows(state, free_slots, rules)
     row, slots, scatter_slots = _rows(state, req_slots)
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
     k = jnp.where(row, num_new_tokens, 0)[:, None]
     first_live = state.first_live_idx[:, slots].T  # [R, G]
     keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
 
-    # 1. Release behind windows, every row.
-    state = _release_ranges(state, slots, first_live, jnp.where(row[:, None], num_released, 0),
-                            jnp.ones_like(first_live), size)
+    # 1. Release what the freed requests held, then what every row's groups no longer need.
+    ranges = _table_ranges(shape, slots, first_live, jnp.where(row[:, None], num_released, 0))
+    if free_slots is not None:
+        ranges = tuple(jnp.concatenate(parts) for parts in zip(freed_ranges, ranges))
+    state = _release_ranges(state, ranges, sizes)
     state = dataclasses.replace(
         state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(keep.T, mode="drop")
     )
@@ -323,26 +388,28 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
         full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
         full_need = jnp.sum(jnp.maximum(full_blocks - table_len, 0), axis=1)
         num_gate = jnp.where(full[:, 0] > 0, jnp.maximum(num_need, full_need), num_need)
-    need_before = cumsum(num_need) - num_need
+    need_before = cumsum(num_need, bound=num_need.shape[0] * shape[0] * shape[2]) - num_need
     fits = need_before + num_gate <= state.pool.num_free_blocks
-    ok = (cumsum((~fits).astype(jnp.int32)) == 0) & row
-    state = _fill_ranges(state, slots, first_new, jnp.where(ok[:, None], need, 0), size)
+    row_idx = jnp.arange(fits.shape[0], dtype=jnp.int32)
+    ok = (row_idx < jnp.min(jnp.where(fits, fits.shape[0], row_idx))) & row
+    state = _fill_ranges(state, _table_ranges(shape, slots, first_new, jnp.where(ok[:, None], need, 0)), sizes)
     num_slots = state.num_computed.shape[0]
     num_computed = state.num_computed.at[jnp.where(ok, slots, num_slots)].set((n + k)[:, 0], mode="drop")
     state = dataclasses.replace(state, num_computed=num_computed)
     return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks)
 
 
-def _free(state: ManagerState, req_slots, *, cfg: KVCacheConfig, chunk_size: int | None = None) -> ManagerState:
+def _free(state: ManagerState, req_slots, *, cfg: KVCacheConfig,
+          chunk_sizes: tuple[int, ...] | None = None) -> ManagerState:
     """Frees requests: every block they hold loses a reference; the slots become empty.
 
     req_slots: int32[R] distinct slots; S marks a padding row. Per request the
     blocks are freed group by group, each group tail first (vLLM's order), so
     that among cached blocks a shared prefix is evicted after the tails.
-    Jitted as `free` (config and chunk size static, state donated).
+    Jitted as `free` (config and chunk sizes static, state donated).
     """
-    size = chunk_size or default_chunk_size(cfg, req_slots.shape[0])
-    return _free_rows(state, req_slots, group_rules(cfg), size)
+    state, ranges = _forget_rows(state, req_slots, group_rules(cfg))
+    return _release_ranges(state, ranges, chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0]))
 
 
 def _slot_mappings(state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCacheConfig, num_tokens: int):
@@ -375,7 +442,7 @@ def _block_tables(state: ManagerState, req_slots):
 
 
 def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_steps: int,
-                  chunk_size: int | None = None):
+                  chunk_sizes: tuple[int, ...] | None = None):
     """Runs `num_steps` decode steps on device: each allocates one token per row.
 
     req_slots: int32[R]. A row that does not fit in a step stalls for that step
@@ -390,7 +457,7 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     bs = rules.block_size[:, None]  # [G, 1]
 
     def step(state, _):
-        state, result = _allocate(state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_size=chunk_size)
+        state, result = _allocate(state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_sizes=chunk_sizes)
         pos = jnp.maximum(state.num_computed[slots] - 1, 0)  # the decoded token's position [R]
         block = state.block_tables[jnp.arange(num_groups)[:, None], slots[None, :], pos[None, :] // bs]
         valid = result.ok[None, :] & (rules.kind != MAMBA)[:, None]
@@ -400,8 +467,9 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     return state, ok, slot_mapping
 
 
-allocate = jax.jit(_allocate, static_argnames=("cfg", "chunk_size"), donate_argnames=("state",))
-free = jax.jit(_free, static_argnames=("cfg", "chunk_size"), donate_argnames=("state",))
+allocate = jax.jit(_allocate, static_argnames=("cfg", "chunk_sizes"), donate_argnames=("state",))
+free = jax.jit(_free, static_argnames=("cfg", "chunk_sizes"), donate_argnames=("state",))
 slot_mappings = jax.jit(_slot_mappings, static_argnames=("cfg", "num_tokens"))
 block_tables = jax.jit(_block_tables)
-decode_steps = jax.jit(_decode_steps, static_argnames=("cfg", "num_steps", "chunk_size"), donate_argnames=("state",))
+decode_steps = jax.jit(_decode_steps, static_argnames=("cfg", "num_steps", "chunk_sizes"),
+                       donate_argnames=("state",))

@@ -50,12 +50,12 @@ def make_cfg(num_blocks, *specs, max_model_len=24, max_num_batched_tokens=8):
                          max_num_batched_tokens=max_num_batched_tokens)
 
 
-# (config, chunk size): tiny pools so that allocations fail often; chunk size 3 makes the
-# release/fill loops and the pop windows run several steps.
+# (config, chunk sizes): tiny pools so that allocations fail often; chunk sizes of 2 or 3
+# make the release/fill loops and the pop windows run several steps.
 CASES = {
-    "hybrid_all_kinds": (make_cfg(24, full(2), sliding(2, 4), chunked(2, 4), mamba(2)), 3),
+    "hybrid_all_kinds": (make_cfg(24, full(2), sliding(2, 4), chunked(2, 4), mamba(2)), (3,)),
     "sw_tight_pool": (make_cfg(10, full(4), sliding(4, 8)), None),
-    "mixed_block_sizes": (make_cfg(40, full(2), sliding(4, 6), mamba(4)), 5),
+    "mixed_block_sizes": (make_cfg(40, full(2), sliding(4, 6), mamba(4)), (2, 5)),
     "vllm_like_groups": (make_cfg(64, sliding(3, 5), sliding(3, 7), full(3)), None),
 }
 
@@ -68,7 +68,7 @@ def _pad(values, fill):
     return jnp.asarray(out)
 
 
-def run_random_sequence(data, cfg, chunk_size):
+def run_random_sequence(data, cfg, chunk_sizes):
     """Draws add / allocate / free / preempt / cache operations; compares with the model after each."""
     state = ms.init_state(cfg, NUM_SLOTS)
     model = ModelState(cfg, NUM_SLOTS)
@@ -93,7 +93,7 @@ def run_random_sequence(data, cfg, chunk_size):
                 must_fit = model.num_computed[slot] == 0 and data.draw(st.booleans(), label="must_fit")
                 full_tokens.append(num_tokens[slot] if must_fit else 0)
             state, result = ms.allocate(state, _pad(slots, NUM_SLOTS), _pad(new_tokens, 0), _pad(full_tokens, 0),
-                                        cfg=cfg, chunk_size=chunk_size)
+                                        cfg=cfg, chunk_sizes=chunk_sizes)
             expected_ok = model.allocate(slots, new_tokens, full_tokens)
             assert np.asarray(result.ok).tolist() == expected_ok + [False] * (NUM_SLOTS - len(slots))
             assert int(result.num_free_blocks) == model.num_free_blocks
@@ -101,7 +101,7 @@ def run_random_sequence(data, cfg, chunk_size):
             # preempt: the most recently admitted request loses its blocks and starts over.
             slots = [list(num_tokens)[-1]] if op == "preempt" else data.draw(
                 st.lists(st.sampled_from(list(num_tokens)), min_size=1, unique=True), label="free")
-            state = ms.free(state, _pad(slots, NUM_SLOTS), cfg=cfg, chunk_size=chunk_size)
+            state = ms.free(state, _pad(slots, NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes)
             model.free(slots)
             for slot in slots:
                 tokens = num_tokens.pop(slot)
@@ -239,7 +239,7 @@ def test_padding_rows_change_nothing():
 def test_no_retracing_across_steps():
     cfg, _ = CASES["hybrid_all_kinds"]
     traced = chex.assert_max_traces(ms._allocate, n=1)
-    allocate = jax.jit(traced, static_argnames=("cfg", "chunk_size"), donate_argnames=("state",))
+    allocate = jax.jit(traced, static_argnames=("cfg", "chunk_sizes"), donate_argnames=("state",))
     state = ms.init_state(cfg, NUM_SLOTS)
     rng = np.random.default_rng(0)
     for _ in range(6):  # different rows, counts and failures each step, same shapes
@@ -270,22 +270,22 @@ def test_slot_mappings_follow_the_tables():
 
 @pytest.mark.parametrize("case", ["hybrid_all_kinds", "sw_tight_pool"])
 def test_multi_step_decode_equals_single_steps(case):
-    cfg, chunk_size = CASES[case]
+    cfg, chunk_sizes = CASES[case]
     slots = np.array([2, 0, 1, NUM_SLOTS], np.int32)
     prefill = np.array([5, 3, 7, 0], np.int32)
 
     def prefilled():
         state = ms.init_state(cfg, NUM_SLOTS)
-        state, _ = ms.allocate(state, slots, prefill, cfg=cfg, chunk_size=chunk_size)
+        state, _ = ms.allocate(state, slots, prefill, cfg=cfg, chunk_sizes=chunk_sizes)
         return state
 
     num_steps = 9  # long enough to cross blocks, windows, and run out of blocks in the tight pool
     fused, fused_ok, fused_slots = ms.decode_steps(prefilled(), slots, cfg=cfg, num_steps=num_steps,
-                                                   chunk_size=chunk_size)
+                                                   chunk_sizes=chunk_sizes)
     state = prefilled()
     ones = (slots < NUM_SLOTS).astype(np.int32)
     for step in range(num_steps):
-        state, result = ms.allocate(state, slots, ones, cfg=cfg, chunk_size=chunk_size)
+        state, result = ms.allocate(state, slots, ones, cfg=cfg, chunk_sizes=chunk_sizes)
         assert np.asarray(result.ok).tolist() == np.asarray(fused_ok[step]).tolist()
         mapping = np.asarray(ms.slot_mappings(state, slots, np.asarray(result.ok, np.int32), cfg=cfg,
                                               num_tokens=len(slots)))

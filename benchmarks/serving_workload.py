@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Replays a serving workload through jaxkv's batched jitted manager API and times the KV bookkeeping.
+
+The workload file comes from ../shared/workloads/serving_workload.py; the
+scheduler is the one of ../shared/workloads/serving-workload.md (synchronous
+FCFS, chunked prefill, LIFO preemption, admission only when nothing was
+preempted and only when the whole request fits). A step is one
+`allocate_slots_batch` dispatch in the common case:
+
+1+2. the running requests the budget reaches, in admission order, then the
+   waiting requests admission would try (`add_request` first, host-only), with
+   `full_sequence_must_fit` on the latter: the batch stops at the first row
+   that does not fit, which is both scheduler rules at once (a failing running
+   row fails every candidate: no admission after a preemption; a failing
+   candidate stops admission). Candidates not admitted are dropped again
+   (host-only). On a running failure, the most recently admitted running
+   request is preempted (`free_batch`) and the batch retried from the failed
+   row (one more dispatch per preemption);
+3. model step: computed counts advance, a request whose prompt is computed
+   appends its next output token (`append_token_ids`, timed apart, as vLLM's
+   peer times token appending apart), finished requests are freed
+   (`free_batch`: recorded on the host, applied on the device at the start of
+   the next step's dispatch).
+
+Model: Gemma-3-27B-like with vLLM's grouping (6 sliding-window groups of 10
+layers, window 1024, and one full-attention group; block size 16). Prints one
+JSON line; exits non-zero if a block is not back in the pool at the end.
+
+    python benchmarks/serving_workload.py --workload /tmp/workload.json --json
+    python benchmarks/serving_workload.py --workload /tmp/workload.json --num-blocks 32768 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import deque
+
+import jax
+
+from jaxkv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
+from jaxkv.invariants import check_invariants
+from jaxkv.manager import KVCacheManager
+
+NUM_LAYERS, WINDOW, BLOCK_SIZE, GROUP_LAYERS = 62, 1024, 16, 10
+
+
+def gemma3_27b_config(num_blocks: int, max_model_len: int, max_num_batched_tokens: int) -> KVCacheConfig:
+    """Gemma-3-27B-like, grouped as vLLM groups it: layer i is full attention iff i % 6 == 5."""
+
+    def layer(i):
+        return f"model.layers.{i}.self_attn.attn"
+
+    full = [layer(i) for i in range(NUM_LAYERS) if i % 6 == 5]
+    sliding = [layer(i) for i in range(NUM_LAYERS) if i % 6 != 5]
+    kw = dict(block_size=BLOCK_SIZE, num_kv_heads=16, head_size=128, dtype="bfloat16")
+    groups = tuple(
+        KVCacheGroup(layer_names=tuple(sliding[i : i + GROUP_LAYERS]), spec=SlidingWindowSpec(**kw, sliding_window=WINDOW))
+        for i in range(0, len(sliding), GROUP_LAYERS)
+    ) + (KVCacheGroup(layer_names=tuple(full), spec=FullAttentionSpec(**kw)),)
+    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=(), max_model_len=max_model_len,
+                         max_num_batched_tokens=max_num_batched_tokens)
+
+
+def output_token(request_id: int, k: int, vocab: int) -> int:
+    """The k-th token request `request_id` generates (as ../shared/workloads/serving_workload.py)."""
+    return (1_000_003 * request_id + 7_919 * k + 17) % vocab
+
+
+class Request:
+    __slots__ = ("idx", "token_ids", "num_prompt", "output_len", "num_output", "num_computed", "num_preemptions")
+
+    def __init__(self, doc):
+        self.idx = doc["id"]
+        self.token_ids = list(doc["prompt"])
+        self.num_prompt = len(self.token_ids)
+        self.output_len = doc["output_len"]
+        self.num_output = 0
+        self.num_computed = 0
+        self.num_preemptions = 0
+
+
+def warm_up(mgr: KVCacheManager) -> float:
+    """Compiles every shape the replay dispatches, outside the timing."""
+    t0 = time.perf_counter()
+    mgr.warm_up()
+    return time.perf_counter() - t0
+
+
+def replay(args, workload: dict) -> dict:
+    vocab = workload["vocab"]
+    cfg = gemma3_27b_config(args.num_blocks, args.max_model_len, args.max_num_batched_tokens)
+    mgr = KVCacheManager(cfg, max_num_seqs=args.max_num_seqs, enable_prefix_caching=True)
+    compile_s = warm_up(mgr)
+    total_blocks = cfg.num_blocks - 1
+
+    waiting = deque(Request(doc) for doc in workload["requests"])
+    num_requests = len(waiting)
+    running: list[Request] = []
+    pc = time.perf_counter
+    step_kv_us: list[float] = []
+    call_us = {"allocate": 0.0, "add_request": 0.0, "free": 0.0, "append": 0.0}
+    calls = dict.fromkeys(call_us, 0)
+    hit_tokens = peak_used = preemptions = admission_failures = admitted = finished = tokens_scheduled = 0
+    t_wall = pc()
+
+    def timed(name, fn, *a, **kw):
+        nonlocal kv_t
+        t = pc()
+        out = fn(*a, **kw)
+        dt = pc() - t
+        call_us[name] += dt * 1e6
+        calls[name] += 1
+        if name != "append":
+            kv_t += dt
+        return out
+
+    while waiting or running:
+        budget = args.max_num_batched_tokens
+        kv_t = 0.0
+        scheduled: list[tuple[Request, int]] = []
+
+        # (1) Running requests in admission order, and (2) the waiting requests that admission
+        # would try if nothing gets preempted, in one batch: running rows first, candidates after
+        # with the full-sequence gate. The first failure stops the batch, which is both rules.
+        batch = []
+        for req in running:
+            if budget <= 0:
+                break
+            n = min(len(req.token_ids) - req.num_computed, budget)
+            batch.append((req, n))
+            budget -= n
+        candidates = []
+        for req in waiting:
+            if len(running) + len(candidates) >= args.max_num_seqs or budget <= 0:
+                break
+            timed("add_request", mgr.add_request, req.idx, req.token_ids)
+            hit = mgr.get_computed_tokens(req.idx)
+            n = min(len(req.token_ids) - hit, budget)
+            candidates.append((req, n, hit))
+            budget -= n
+        rows = batch + [(req, n) for req, n, _ in candidates]
+        num_ok = 0
+        if rows:
+            must_fit = [False] * len(batch) + [True] * len(candidates)
+            ok = timed("allocate", mgr.allocate_slots_batch, [r.idx for r, _ in rows], [n for _, n in rows],
+                       [0] * len(batch) + [h for _, _, h in candidates], full_sequence_must_fit=must_fit)
+            num_ok = len(rows) if ok.all() else int(ok.argmin())
+        scheduled += batch[:num_ok]
+        for req, n, hit in candidates[: max(num_ok - len(batch), 0)]:
+            waiting.popleft()
+            running.append(req)
+            req.num_computed = hit
+            scheduled.append((req, n))
+            hit_tokens += hit
+            admitted += 1
+        if len(batch) < num_ok < len(rows):
+            admission_failures += 1
+        dropped = candidates[max(num_ok - len(batch), 0):]
+        if dropped:  # hold no block: host-only
+            timed("free", mgr.free_batch, [r.idx for r, _, _ in dropped])
+        # A running request failed: preempt from the back and retry from it (more dispatches).
+        batch = batch[num_ok:]
+        while batch:
+            failed = batch[0][0]
+            victim = running.pop()
+            timed("free", mgr.free_batch, [victim.idx])
+            victim.num_computed = 0
+            victim.num_preemptions += 1
+            preemptions += 1
+            waiting.appendleft(victim)
+            if victim is failed:
+                break
+            batch = [(r, n) for r, n in batch if r is not victim]
+            ok = timed("allocate", mgr.allocate_slots_batch, [r.idx for r, _ in batch], [n for _, n in batch])
+            num_ok = len(batch) if ok.all() else int(ok.argmin())
+            scheduled += batch[:num_ok]
+            batch = batch[num_ok:]
+
+        peak_used = max(peak_used, total_blocks - mgr.num_free_blocks)
+
+        # (3) Model step.
+        done = []
+        for req, n in scheduled:
+            req.num_computed += n
+            tokens_scheduled += n
+            if req.num_computed < len(req.token_ids):
+                continue
+            token = output_token(req.idx, req.num_output, vocab)
+            req.token_ids.append(token)
+            req.num_output += 1
+            timed("append", mgr.append_token_ids, req.idx, [token])
+            if req.num_output >= req.output_len:
+                done.append(req)
+        if done:
+            timed("free", mgr.free_batch, [r.idx for r in done])
+            for req in done:
+                running.remove(req)
+            finished += len(done)
+        step_kv_us.append(kv_t * 1e6)
+
+    wall_s = pc() - t_wall
+    final_used = total_blocks - mgr.num_free_blocks
+    check_invariants(cfg, mgr.state)
+    ordered = sorted(step_kv_us)
+
+    def pct(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "impl": "jaxkv",
+        "jax_version": jax.__version__,
+        "backend": jax.default_backend(),
+        "workload_file": args.workload,
+        "num_blocks": cfg.num_blocks,
+        "num_groups": len(cfg.groups),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "steps": len(step_kv_us),
+        "completed": finished == num_requests,
+        "mean_kv_us_per_step": statistics.fmean(step_kv_us),
+        "p50_kv_us_per_step": pct(0.50),
+        "p99_kv_us_per_step": pct(0.99),
+        "max_kv_us_per_step": ordered[-1],
+        "kv_us_total_by_call": call_us,
+        "kv_calls": calls,
+        "mean_us_per_call": {k: call_us[k] / calls[k] if calls[k] else 0.0 for k in call_us},
+        "compile_s": compile_s,
+        "prefix_hit_tokens": hit_tokens,
+        "peak_blocks_used": peak_used,
+        "admitted": admitted,
+        "admission_failures": admission_failures,
+        "preemptions": preemptions,
+        "finished": finished,
+        "tokens_scheduled": tokens_scheduled,
+        "final_blocks_used": final_used,
+        "wall_s": wall_s,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", required=True, help="JSON file from ../shared/workloads/serving_workload.py")
+    p.add_argument("--num-blocks", type=int, default=131072, help="pool size, the null block included")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--warmup-replays", type=int, default=1, help="untimed replays first (0: time the first one)")
+    p.add_argument("--json", action="store_true", help="print one JSON line (otherwise a short summary)")
+    args = p.parse_args(argv)
+    jax.config.update("jax_cpu_enable_async_dispatch", False)  # each call returns small results at once
+    workload = json.load(open(args.workload))
+    warm_s = 0.0
+    for _ in range(args.warmup_replays):
+        # XLA:CPU finishes preparing a kernel the first time it runs (about 1-30 ms), so an
+        # untimed replay first runs every path; the managers share the compiled executables.
+        warm_s += replay(args, workload)["wall_s"]
+    out = replay(args, workload)
+    out["warmup_replays"], out["warmup_s"] = args.warmup_replays, warm_s
+    if args.json:
+        print(json.dumps(out), flush=True)
+    else:
+        print(f"{out['steps']} steps, {out['mean_kv_us_per_step']:.0f} us/step KV bookkeeping "
+              f"(p99 {out['p99_kv_us_per_step']:.0f}), peak {out['peak_blocks_used']} blocks, "
+              f"{out['preemptions']} preemptions, {out['final_blocks_used']} blocks not returned")
+    return 0 if out["final_blocks_used"] == 0 and out["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

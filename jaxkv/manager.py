@@ -1,0 +1,322 @@
+"""KVCacheManager: vLLM's manager vocabulary over the jitted pure transitions of `jaxkv.state`.
+
+Dimensions: R requests in one call, G groups, M max blocks per request, T tokens.
+
+The manager owns a `ManagerState` on the device and, on the host, the map
+from request id to slot plus each request's tokens and counts, so bad input is
+caught before anything is dispatched. Every `*_batch` call is one jitted
+dispatch for many requests; the per-request calls are batches of one.
+
+Fast path:
+* batches are padded to 8 rows or to `max_num_seqs`: two compiled shapes per
+  transition (`warm_up` compiles them) serve every step;
+* `free` only records the slots; the next allocation frees them first in its own
+  dispatch (anything that reads the device state flushes them), so a serving
+  step is one dispatch and one small transfer back (ok flags, free count).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import state as st
+from jaxkv.config import KVCacheConfig
+from jaxkv.invariants import check_invariants
+from jaxkv.specs import cdiv
+
+FREE_ROWS = 8  # pending frees carried by one allocation; more are flushed in their own dispatch
+SMALL_ROWS = 8  # batches are padded to this many rows, or to max_num_seqs
+
+
+def _allocate_packed(state, rows, free_slots, *, cfg):
+    """`st._allocate` with the row arrays packed as int32[3, R] (slots, new tokens, full tokens) and the
+    result packed as int32[R + 1] (ok flags, then num_free_blocks): one argument and one transfer
+    instead of several."""
+    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, cfg=cfg)
+    return state, jnp.concatenate([result.ok.astype(jnp.int32), result.num_free_blocks[None]])
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(cfg: KVCacheConfig):
+    """The transitions with `cfg` bound (not hashed per call), shared by managers of one config."""
+    allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg), donate_argnames=("state",))
+    free = jax.jit(functools.partial(st._free, cfg=cfg), donate_argnames=("state",))
+    return allocate, free
+
+
+class KVCacheManager:
+    """Host facade: request ids in, block ids and ok flags out (see DESIGN.md "Public API").
+
+    `debug_checks=True` runs `jaxkv.invariants.check_invariants` after every
+    transition (slow; for tests and debugging).
+    """
+
+    def __init__(self, cfg: KVCacheConfig, max_num_seqs: int = 256, enable_prefix_caching: bool = True, *,
+                 debug_checks: bool = False):
+        if not isinstance(cfg, KVCacheConfig):
+            raise TypeError(f"cfg must be a KVCacheConfig (from jaxkv.plan), got {type(cfg).__name__}")
+        if int(max_num_seqs) <= 0:
+            raise ValueError(f"{max_num_seqs=} must be positive")
+        self.cfg = cfg
+        self.max_num_seqs = int(max_num_seqs)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.debug_checks = debug_checks
+        self._state = st.init_state(cfg, self.max_num_seqs)
+        self._allocate_fn, self._free_fn = _jitted(cfg)
+        self._block_sizes = tuple(g.block_size for g in cfg.groups)
+        self._slot_of: dict[Hashable, int] = {}
+        self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))  # pop() gives the lowest slot
+        self._token_ids: list[list[int] | None] = [None] * self.max_num_seqs
+        self._num_tokens = np.zeros(self.max_num_seqs, np.int64)
+        self._num_computed = np.zeros(self.max_num_seqs, np.int64)  # host mirror of the device's counts
+        self._num_free_blocks: int | jax.Array | None = cfg.num_blocks - 1  # None: frees pending
+        self._pending_free: list[int] = []  # slots freed on the host, not yet on the device
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], cache_salt: str | None = None):
+        """Registers a request and its prompt; takes a slot, no blocks."""
+        if request_id in self._slot_of:
+            raise ValueError(f"request {request_id!r} was already added; free it first or use a new id")
+        if cache_salt is not None and not self.enable_prefix_caching:
+            raise ValueError(f"{cache_salt=} given, but prefix caching is off; "
+                             "drop the salt or create the manager with enable_prefix_caching=True")
+        if not self._free_slots:
+            raise ValueError(f"the manager already holds max_num_seqs={self.max_num_seqs} requests; "
+                             f"free one before adding {request_id!r}, or raise max_num_seqs")
+        token_ids = list(prompt_token_ids)
+        if not token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if len(token_ids) > self.cfg.max_model_len:
+            raise ValueError(f"request {request_id!r} has {len(token_ids)} prompt tokens, more than "
+                             f"max_model_len={self.cfg.max_model_len}")
+        slot = self._free_slots.pop()
+        self._slot_of[request_id] = slot
+        self._token_ids[slot] = token_ids
+        self._num_tokens[slot] = len(token_ids)
+        self._num_computed[slot] = 0
+
+    def get_computed_tokens(self, request_id: Hashable) -> int:
+        """Tokens of the prompt found in the prefix cache; changes nothing.
+
+        Prefix caching is not built yet (issue 4): always 0.
+        """
+        self._slot(request_id)
+        return 0
+
+    def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
+        """Records tokens the model produced for the request."""
+        slot = self._slot(request_id)
+        new_token_ids = list(new_token_ids)
+        num_tokens = int(self._num_tokens[slot]) + len(new_token_ids)
+        if num_tokens > self.cfg.max_model_len:
+            raise ValueError(f"request {request_id!r} would have {num_tokens} tokens, more than "
+                             f"max_model_len={self.cfg.max_model_len}")
+        self._token_ids[slot].extend(new_token_ids)
+        self._num_tokens[slot] = num_tokens
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        """Prompt plus appended tokens of the request."""
+        return int(self._num_tokens[self._slot(request_id)])
+
+    def num_computed_tokens(self, request_id: Hashable) -> int:
+        """Tokens given slots so far (they count as computed once their step ran)."""
+        return int(self._num_computed[self._slot(request_id)])
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate_slots(self, request_id: Hashable, num_new_tokens: int, num_new_computed_tokens: int = 0) -> bool:
+        """Makes room for `num_new_tokens` more tokens; False (nothing changed) if they do not fit.
+
+        Claims the `num_new_computed_tokens` prefix-cache hit tokens first (0 until
+        prefix caching lands, issue 4). Releases blocks that sliding-window,
+        chunked and state groups no longer need, even when it fails.
+        """
+        return bool(self.allocate_slots_batch([request_id], [num_new_tokens], [num_new_computed_tokens])[0])
+
+    def allocate_slots_batch(self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int],
+                             num_new_computed_tokens: Sequence[int] | None = None, *,
+                             full_sequence_must_fit: bool | Sequence[bool] = False) -> np.ndarray:
+        """`allocate_slots` for many requests in priority order, in one dispatch.
+
+        Returns ok bool[R]. The first request that does not fit, and every one
+        after it, gets False and keeps its blocks (the scheduler preempts and
+        retries from there). A request with `full_sequence_must_fit` (one flag,
+        or one per request) is taken only if blocks for all its tokens (prompt
+        and appended, per group capped at what one request can hold) fit: vLLM's
+        admission gate.
+        """
+        slots = self._slots(request_ids)
+        num_rows = self._num_rows(len(slots))
+        rows = np.zeros((3, num_rows), np.int64)  # slots, new tokens, full tokens (padding: slot S, 0, 0)
+        rows[0] = self.max_num_seqs
+        rows[0, : len(slots)] = slots
+        num_new = rows[1, : len(slots)]
+        num_new[:] = self._counts(request_ids, num_new_tokens, "num_new_tokens")
+        if num_new_computed_tokens is not None and any(num_new_computed_tokens):
+            hits = self._counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
+            i = int(np.flatnonzero(hits)[0])
+            raise ValueError(f"num_new_computed_tokens={hits[i]} for request {request_ids[i]!r}: it must be 0 "
+                             "or the value get_computed_tokens just returned (0: prefix caching is issue 4)")
+        num_computed = self._num_computed[slots]
+        num_tokens = self._num_tokens[slots]
+        over = num_computed + num_new > num_tokens
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(f"request {request_ids[i]!r} has {num_tokens[i]} tokens, "
+                             f"{num_computed[i]} computed: it cannot schedule {num_new[i]} more; "
+                             "append the tokens first (append_token_ids)")
+        if isinstance(full_sequence_must_fit, (bool, np.bool_)):
+            if full_sequence_must_fit:
+                rows[2, : len(slots)] = num_tokens
+        else:
+            must_fit = np.asarray(full_sequence_must_fit, bool)
+            if must_fit.shape != slots.shape:
+                raise ValueError(f"full_sequence_must_fit has shape {must_fit.shape}; expected one flag per "
+                                 f"request ({len(slots)}) or a single bool")
+            rows[2, : len(slots)] = np.where(must_fit, num_tokens, 0)
+        if len(self._pending_free) > FREE_ROWS:
+            self._flush_frees()
+        free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)
+        free_slots[: len(self._pending_free)] = self._pending_free
+        rows = rows.astype(np.int32)
+        self._state, packed = self._allocate_fn(self._state, rows, free_slots)
+        self._pending_free.clear()
+        packed = np.asarray(packed)
+        ok = packed[: len(slots)] != 0
+        self._num_free_blocks = int(packed[-1])
+        self._num_computed[slots[ok]] += rows[1, : len(slots)][ok]
+        self._check()
+        return ok
+
+    # ---- freeing ---------------------------------------------------------------------------
+    def free(self, request_id: Hashable) -> None:
+        """Releases every block of the request and forgets it (its id may be added again)."""
+        self.free_batch([request_id])
+
+    def free_batch(self, request_ids: Sequence[Hashable]) -> None:
+        """`free` for many requests; blocks go back in request order.
+
+        The device work rides on the next allocation's dispatch (or the next read).
+        """
+        slots = self._slots(request_ids)
+        holding = slots[self._num_computed[slots] > 0]  # requests with nothing computed hold no block
+        if holding.size:
+            self._pending_free.extend(holding.tolist())
+            self._num_free_blocks = None  # known again after the next dispatch
+        for request_id, slot in zip(request_ids, slots.tolist()):
+            del self._slot_of[request_id]
+            self._token_ids[slot] = None
+            self._num_tokens[slot] = 0
+            self._num_computed[slot] = 0
+            self._free_slots.append(slot)
+        if self.debug_checks:
+            self._flush_frees()
+
+    def _flush_frees(self) -> None:
+        """Applies the recorded frees on the device now (one dispatch)."""
+        if not self._pending_free:
+            return
+        slots = np.asarray(self._pending_free, np.int32)
+        num_rows = FREE_ROWS if len(slots) <= FREE_ROWS else self.max_num_seqs
+        self._state = self._free_fn(self._state, self._pad(slots, num_rows, self.max_num_seqs))
+        self._pending_free.clear()
+        self._num_free_blocks = self._state.pool.num_free_blocks
+        self._check()
+
+    # ---- reading ---------------------------------------------------------------------------
+    def get_block_ids(self, request_id: Hashable) -> tuple[tuple[int, ...], ...]:
+        """Per group, the block ids the request was given, NULL_BLOCK where the group no longer needs one."""
+        slot = self._slot(request_id)
+        n = int(self._num_computed[slot])
+        rows = np.asarray(jax.device_get(self.state.block_tables[:, slot, :]))
+        return tuple(tuple(rows[g, : cdiv(n, bs)].tolist()) for g, bs in enumerate(self._block_sizes))
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: free plus evictable cached ones, the null block excluded."""
+        if self._num_free_blocks is None:
+            self._flush_frees()
+        return int(self._num_free_blocks)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def state(self) -> st.ManagerState:
+        """The device state (for composing the pure functions of `jaxkv.state` in a jitted step)."""
+        self._flush_frees()
+        return self._state
+
+    def slots_of(self, request_ids: Sequence[Hashable]) -> np.ndarray:
+        """int32[R]: the state slot of each request."""
+        return self._slots(request_ids)
+
+    def block_tables(self, request_ids: Sequence[Hashable]) -> jax.Array:
+        """int32[G, R, M] on device: the requests' block tables as the attention kernels take them."""
+        return st.block_tables(self.state, self._slots(request_ids))
+
+    def slot_mappings(self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int],
+                      num_tokens: int) -> jax.Array:
+        """int32[G, T] on device: slots of the tokens just allocated (T = `num_tokens`, padded with −1)."""
+        num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
+        if num_new.sum() > num_tokens:
+            raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
+        return st.slot_mappings(self.state, self._slots(request_ids), num_new, cfg=self.cfg, num_tokens=num_tokens)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _slot(self, request_id: Hashable) -> int:
+        try:
+            return self._slot_of[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request id {request_id!r}; add it with add_request first") from None
+
+    def _slots(self, request_ids: Sequence[Hashable]) -> np.ndarray:
+        try:
+            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int32, len(request_ids))
+        except KeyError as e:
+            raise KeyError(f"unknown request id {e.args[0]!r}; add it with add_request first") from None
+        if len(slots) > 1 and np.bincount(slots).max() > 1:
+            seen = set()
+            duplicate = next(r for r in request_ids if r in seen or seen.add(r))
+            raise ValueError(f"request {duplicate!r} appears twice in one batch")
+        return slots
+
+    @staticmethod
+    def _counts(request_ids, values, name: str) -> np.ndarray:
+        counts = np.asarray(values, np.int64)
+        if counts.shape != (len(request_ids),):
+            raise ValueError(f"{name} has shape {counts.shape}; expected one count per request ({len(request_ids)})")
+        if (counts < 0).any():
+            i = int(np.flatnonzero(counts < 0)[0])
+            raise ValueError(f"{name}={counts[i]} for request {request_ids[i]!r} is negative")
+        return counts
+
+    @staticmethod
+    def _pad(values: np.ndarray, num_rows: int, fill: int) -> np.ndarray:
+        padded = np.full(num_rows, fill, np.int32)
+        padded[: len(values)] = values
+        return padded
+
+    def _num_rows(self, num_requests: int) -> int:
+        return min(SMALL_ROWS, self.max_num_seqs) if num_requests <= SMALL_ROWS else self.max_num_seqs
+
+    def warm_up(self) -> None:
+        """Compiles every shape the manager dispatches (calls that change nothing), so that no
+        step of a serving loop waits for a compilation."""
+        free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)  # padding rows only
+        for num_rows in sorted({self._num_rows(1), self.max_num_seqs}):
+            rows = np.zeros((3, num_rows), np.int32)
+            rows[0] = self.max_num_seqs
+            self._state, _ = self._allocate_fn(self._state, rows, free_slots)
+        for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
+            self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
+
+    def _check(self) -> None:
+        if self.debug_checks:
+            check_invariants(self.cfg, self._state)
+
