@@ -210,9 +210,9 @@ class KVCacheManager:
         for request_id, slot in zip(request_ids, slots.tolist()):
             del self._slot_of[request_id]
             self._token_ids[slot] = None
-            self._num_tokens[slot] = 0
-            self._num_computed[slot] = 0
-            self._free_slots.append(slot)
+        self._num_tokens[slots] = 0
+        self._num_computed[slots] = 0
+        self._free_slots.extend(slots.tolist())
         if self.debug_checks:
             self._flush_frees()
 

@@ -100,8 +100,13 @@ def init_pool(num_blocks: int) -> PoolState:
 _SCAN_WIDTH = 32
 
 
-def _triangular(n: int, dtype):
-    return jnp.triu(jnp.ones((n, n), dtype))
+def _prefix_matmul(x):
+    """x [..., n] @ upper-triangular ones [n, n]: prefix sums within the last axis.
+
+    HIGHEST precision: GPUs (TF32) and TPUs (bfloat16 passes) would round float32 sums.
+    """
+    n = x.shape[-1]
+    return jnp.matmul(x, jnp.triu(jnp.ones((n, n), x.dtype)), precision=lax.Precision.HIGHEST)
 
 
 def cumsum(x, bound: int | None = None):
@@ -121,11 +126,11 @@ def cumsum(x, bound: int | None = None):
 def _cumsum(x):
     n = x.shape[-1]
     if n <= _SCAN_WIDTH:
-        return x @ _triangular(n, x.dtype)
+        return _prefix_matmul(x)
     num_rows = -(-n // _SCAN_WIDTH)
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, num_rows * _SCAN_WIDTH - n)])
     rows = padded.reshape(*x.shape[:-1], num_rows, _SCAN_WIDTH)
-    within = rows @ _triangular(_SCAN_WIDTH, x.dtype)
+    within = _prefix_matmul(rows)
     totals = within[..., -1]
     offsets = _cumsum(totals) - totals
     return (within + offsets[..., None]).reshape(*x.shape[:-1], -1)[..., :n]

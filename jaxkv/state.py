@@ -50,7 +50,7 @@ class ManagerState:
     pool:           PoolState     reference counts, free order, cached-block hashes
     block_tables:   int32[G, S, M] physical block per group, slot, logical block index
     first_live_idx: int32[G, S]   logical index below which the table holds NULL_BLOCK
-    num_computed:   int32[S]      tokens of the request that have a slot (0: slot unused)
+    num_computed:   int32[S]      tokens given slots so far, this step's included (0: slot unused)
     """
 
     pool: PoolState
@@ -125,7 +125,7 @@ def default_chunk_sizes(cfg: KVCacheConfig, num_requests: int) -> tuple[int, ...
     sizes = [full]
     while sizes[-1] > 512:
         sizes.append(max(sizes[-1] // 4, 512))
-    return tuple(sorted(set(min(size, full) for size in sizes)))
+    return tuple(reversed(sizes))
 
 
 def init_state(cfg: KVCacheConfig, max_num_seqs: int) -> ManagerState:

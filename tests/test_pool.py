@@ -6,12 +6,13 @@ Dimensions: N blocks, F blocks per call (padded), K blocks popped per call.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from jaxkv.invariants import check_pool
-from jaxkv.pool import HASH_WORDS, init_pool, mark_cached, pop, release, touch
+from jaxkv.pool import HASH_WORDS, count_prefix, cumsum, init_pool, mark_cached, pop, release, touch
 from model_reference import ModelState, assert_pool_matches
 
 NUM_BLOCKS = 10  # 9 usable blocks, ring capacity 20: stale entries force compaction often
@@ -120,3 +121,13 @@ def test_pop_skips_windows_of_stale_entries():
     assert int(pool.block_group[taken[5]]) == -1, "popping a cached block evicts it"
     check_pool(pool)
     assert_pool_matches(pool, model)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 1000, 5000])
+def test_matmul_prefix_sums_are_exact(n):
+    rng = np.random.default_rng(n)
+    counts = rng.integers(0, 4096, (2, n)).astype(np.int32)  # int32 path (no bound)
+    np.testing.assert_array_equal(np.asarray(cumsum(jnp.asarray(counts))), np.cumsum(counts, axis=-1))
+    np.testing.assert_array_equal(np.asarray(cumsum(jnp.asarray(counts), bound=4096 * n)), np.cumsum(counts, axis=-1))
+    flags = rng.random((3, n)) < 0.5
+    np.testing.assert_array_equal(np.asarray(count_prefix(jnp.asarray(flags))), np.cumsum(flags, axis=-1))

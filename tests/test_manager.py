@@ -1,0 +1,200 @@
+"""KVCacheManager: the public API of DESIGN.md, its errors, and random use against the model.
+
+Dimensions: R requests per call, G groups, M max blocks per request.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv import KVCacheManager
+from jaxkv.invariants import check_invariants
+from jaxkv.specs import NULL_BLOCK
+from model_reference import ModelState, assert_state_matches
+from test_state import full, make_cfg, mamba, sliding
+
+# Full + sliding window 4 + state group, block 2, 15 usable blocks, 3 requests at most.
+CFG = make_cfg(16, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_batched_tokens=8)
+
+
+def manager(**kw):
+    return KVCacheManager(CFG, max_num_seqs=3, **kw)
+
+
+def test_request_lifecycle():
+    mgr = manager(debug_checks=True)
+    mgr.add_request("a", [1, 2, 3, 4, 5])
+    assert mgr.get_computed_tokens("a") == 0
+    assert mgr.allocate_slots("a", 5, num_new_computed_tokens=0)
+    full_ids, sw_ids, state_ids = mgr.get_block_ids("a")
+    assert len(full_ids) == len(sw_ids) == 3 and NULL_BLOCK not in full_ids + sw_ids
+    assert state_ids == (NULL_BLOCK, NULL_BLOCK, state_ids[2]) and state_ids[2] != NULL_BLOCK
+    assert mgr.num_free_blocks == 15 - 7
+    # Decode 3 tokens: each is appended first, then scheduled.
+    for token in (6, 7, 8):
+        mgr.append_token_ids("a", [token])
+        assert mgr.allocate_slots("a", 1)
+    full_ids, sw_ids, state_ids = mgr.get_block_ids("a")
+    assert len(full_ids) == 4 and NULL_BLOCK not in full_ids
+    assert sw_ids[0] == NULL_BLOCK  # 7 computed before the last call: positions > 3 kept
+    assert mgr.num_computed_tokens("a") == 8 and mgr.num_tokens("a") == 8
+    mgr.free("a")
+    assert mgr.num_free_blocks == 15
+    mgr.add_request("a", [1, 2])  # the id may come back
+    assert mgr.num_requests == 1
+
+
+def test_batch_stops_at_the_first_request_that_does_not_fit():
+    mgr = manager(debug_checks=True)
+    for rid, n in (("a", 6), ("b", 16), ("c", 2)):
+        mgr.add_request(rid, list(range(n)))
+    # a: 3 + 3 + 1 blocks; b would need 8 + 8 + 1 > 8 left; c fits but comes after b.
+    ok = mgr.allocate_slots_batch(["a", "b", "c"], [6, 16, 2])
+    assert ok.tolist() == [True, False, False]
+    assert mgr.get_block_ids("b") == ((), (), ())
+    assert mgr.allocate_slots_batch(["c", "b"], [2, 2]).tolist() == [True, True]
+
+
+def test_full_sequence_must_fit_per_request():
+    # Caps per request: full 8 blocks, sliding cdiv(4 - 1 + 8, 2) + 1 = 7, state 1.
+    def admit(must_fit):
+        mgr = manager(debug_checks=True)
+        mgr.add_request("long", list(range(12)))  # whole: 6 + 6 + 1 = 13 blocks; a 4-token chunk: 2 + 2 + 1
+        mgr.add_request("short", list(range(10)))  # whole: 5 + 5 + 1 = 11 blocks
+        return mgr.allocate_slots_batch(["long", "short"], [4, 4], full_sequence_must_fit=must_fit).tolist()
+
+    assert admit(False) == [True, True]
+    assert admit(True) == [True, False]  # 5 taken by "long" + 11 > 15
+    assert admit([True, False]) == [True, True]
+
+
+def test_deferred_frees_ride_on_the_next_allocation():
+    mgr = manager(debug_checks=False)
+    mgr.add_request("a", list(range(8)))  # 4 + 4 + 1 blocks
+    mgr.add_request("b", list(range(4)))  # 2 + 2 + 1 blocks
+    assert mgr.allocate_slots_batch(["a", "b"], [8, 4]).tolist() == [True, True]
+    slot_a = int(mgr.slots_of(["a"])[0])
+    mgr.free("a")
+    mgr.add_request("c", list(range(6)))  # takes a's slot before the device has freed it
+    assert int(mgr.slots_of(["c"])[0]) == slot_a
+    assert mgr.allocate_slots("c", 6)
+    check_invariants(CFG, mgr.state)
+    assert mgr.num_free_blocks == 15 - 5 - 7
+    assert len(mgr.get_block_ids("c")[0]) == 3
+    mgr.free_batch(["b", "c"])
+    assert mgr.num_free_blocks == 15  # reading flushes the pending frees
+    check_invariants(CFG, mgr.state)
+
+
+def test_kernel_views():
+    mgr = manager()
+    mgr.add_request("a", list(range(5)))
+    mgr.add_request("b", list(range(3)))
+    mgr.allocate_slots_batch(["a", "b"], [5, 3])
+    tables = np.asarray(mgr.block_tables(["b", "a"]))
+    assert tables.shape == (3, 2, 8)
+    assert tuple(tables[0, 1, :3].tolist()) == mgr.get_block_ids("a")[0]
+    mapping = np.asarray(mgr.slot_mappings(["a", "b"], [5, 3], num_tokens=10))
+    a_full = mgr.get_block_ids("a")[0]
+    assert mapping[0, :5].tolist() == [a_full[p // 2] * 2 + p % 2 for p in range(5)]
+    assert mapping[0, 8:].tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="num_tokens=4"):
+        mgr.slot_mappings(["a", "b"], [5, 3], num_tokens=4)
+
+
+def test_warm_up_changes_nothing():
+    mgr = manager()
+    mgr.warm_up()
+    assert mgr.num_free_blocks == 15
+    check_invariants(CFG, mgr.state)
+
+
+def test_errors_name_the_offending_value():
+    mgr = manager()
+    mgr.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="'a' was already added"):
+        mgr.add_request("a", [1])
+    with pytest.raises(KeyError, match="unknown request id 'zz'"):
+        mgr.allocate_slots("zz", 1)
+    with pytest.raises(KeyError, match="unknown request id 'zz'"):
+        mgr.free("zz")
+    with pytest.raises(ValueError, match="17 prompt tokens, more than max_model_len=16"):
+        mgr.add_request("long", list(range(17)))
+    with pytest.raises(ValueError, match="empty prompt"):
+        mgr.add_request("empty", [])
+    with pytest.raises(ValueError, match="num_new_tokens=-1 for request 'a' is negative"):
+        mgr.allocate_slots("a", -1)
+    with pytest.raises(ValueError, match="'a' has 3 tokens, 0 computed: it cannot schedule 4 more"):
+        mgr.allocate_slots("a", 4)
+    with pytest.raises(ValueError, match="num_new_computed_tokens=2 for request 'a'"):
+        mgr.allocate_slots("a", 1, num_new_computed_tokens=2)
+    with pytest.raises(ValueError, match="request 'a' appears twice"):
+        mgr.allocate_slots_batch(["a", "a"], [1, 1])
+    with pytest.raises(ValueError, match="num_new_tokens has shape"):
+        mgr.allocate_slots_batch(["a"], [1, 1])
+    with pytest.raises(ValueError, match="full_sequence_must_fit has shape"):
+        mgr.allocate_slots_batch(["a"], [1], full_sequence_must_fit=[True, False])
+    with pytest.raises(ValueError, match="would have 17 tokens"):
+        mgr.append_token_ids("a", list(range(14)))
+    mgr.add_request("b", [1])
+    mgr.add_request("c", [1])
+    with pytest.raises(ValueError, match="max_num_seqs=3"):
+        mgr.add_request("d", [1])
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        KVCacheManager(CFG, max_num_seqs=3, enable_prefix_caching=False).add_request("a", [1], cache_salt="s1")
+    with pytest.raises(TypeError, match="KVCacheConfig"):
+        KVCacheManager({"num_blocks": 16})
+    assert mgr.num_free_blocks == 15  # nothing above changed the pool
+    check_invariants(CFG, mgr.state)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_random_use_matches_model(data):
+    """add / batched allocate (prefill chunks, decodes) / free / preempt through the facade; the
+    device state (block ids included) equals the model after every allocation."""
+    mgr = manager(debug_checks=data.draw(st.booleans(), label="debug_checks"))
+    model = ModelState(CFG, 3)
+    running: list[str] = []  # admission order
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 20), label="num_ops")):
+        op = data.draw(st.sampled_from(["add", "allocate", "allocate", "free", "preempt"]), label="op")
+        if op == "add" and mgr.num_requests < 3:
+            rid = f"r{next_id}"
+            next_id += 1
+            mgr.add_request(rid, list(range(data.draw(st.integers(1, 16), label="prompt_len"))))
+            running.append(rid)
+        elif op == "allocate" and running:
+            rids = data.draw(st.permutations(running), label="order")
+            rids = rids[: data.draw(st.integers(1, len(rids)), label="batch_size")]
+            new_tokens, must_fit = [], []
+            for rid in rids:
+                remaining = mgr.num_tokens(rid) - mgr.num_computed_tokens(rid)
+                if remaining == 0 and mgr.num_tokens(rid) < 16:
+                    mgr.append_token_ids(rid, [7])
+                    remaining = 1
+                new_tokens.append(data.draw(st.integers(0, min(remaining, 8)), label="num_new_tokens"))
+                must_fit.append(mgr.num_computed_tokens(rid) == 0 and data.draw(st.booleans(), label="must_fit"))
+            slots = mgr.slots_of(rids).tolist()
+            full = [mgr.num_tokens(rid) if fit else 0 for rid, fit in zip(rids, must_fit)]
+            ok = mgr.allocate_slots_batch(rids, new_tokens, [0] * len(rids), full_sequence_must_fit=must_fit)
+            assert ok.tolist() == model.allocate(slots, new_tokens, full)
+            assert mgr.num_free_blocks == model.num_free_blocks
+            assert_state_matches(mgr._state, model)  # no read: nothing flushed
+            for rid, slot in zip(rids, slots):
+                for g, ids in enumerate(mgr.get_block_ids(rid)):
+                    assert list(ids) == model.tables[g][slot][: len(ids)]
+        elif op in ("free", "preempt") and running:
+            rids = [running[-1]] if op == "preempt" else data.draw(
+                st.lists(st.sampled_from(running), min_size=1, unique=True), label="free")
+            model.free(mgr.slots_of(rids).tolist())
+            tokens = {rid: mgr.num_tokens(rid) for rid in rids}
+            mgr.free_batch(rids)
+            for rid in rids:
+                running.remove(rid)
+                if op == "preempt":  # back to waiting, computed tokens forgotten: re-added later
+                    mgr.add_request(rid, list(range(tokens[rid])))
+                    running.append(rid)
+    check_invariants(CFG, mgr.state)
+    assert_state_matches(mgr.state, model)
