@@ -77,11 +77,16 @@ def main(argv=None) -> int:
           f"({100 * s.prefix_hit_tokens / max(s.prompt_tokens, 1):.1f}%)")
     print("peak KV blocks in use per group: " + ", ".join(
         f"{g.describe()}×{len(g.layer_names)}: {n}" for g, n in zip(kv_cfg.groups, s.peak_blocks_per_group)))
+    page = specs[model_cfg.layer_name(0)].page_size_bytes
+    all_full_bytes = len(specs) * jaxkv.cdiv(max_model_len, args.block_size) * page
+    if full is None:
+        versus = "an all-full-attention cache in the same memory could not hold one request"
+    else:
+        versus = (f"against {full.capacity_tokens} with an all-full-attention cache in the same memory "
+                  f"({kv_cfg.capacity_tokens / full.capacity_tokens:.2f}×)")
     print(f"KV cache: {kv_cfg.num_blocks} blocks of {kv_cfg.bytes_per_block} B; holds {kv_cfg.capacity_tokens} tokens "
-          f"of {max_model_len}-token requests, against {full.capacity_tokens} with an all-full-attention cache "
-          f"in the same memory ({kv_cfg.capacity_tokens / full.capacity_tokens:.2f}×); "
-          f"bytes per {max_model_len}-token request: {kv_cfg.bytes_per_request(max_model_len):,} "
-          f"vs {full.bytes_per_request(max_model_len):,} all-full")
+          f"of {max_model_len}-token requests, {versus}; bytes per {max_model_len}-token request: "
+          f"{kv_cfg.bytes_per_request(max_model_len):,} vs {all_full_bytes:,} all-full")
     if not args.check:
         return 0
     from check import compare_with_dense

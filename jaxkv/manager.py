@@ -252,6 +252,31 @@ class KVCacheManager:
         self._flush_frees()
         return self._state
 
+    def take_state(self) -> st.ManagerState:
+        """Hands the device state to a jitted loop that donates it (e.g. on-device decode steps).
+
+        The manager holds no state until `adopt_state` gives the loop's result back.
+        """
+        state = self.state
+        self._state = None
+        return state
+
+    def adopt_state(self, state: st.ManagerState, request_ids: Sequence[Hashable]) -> None:
+        """Takes back a state that a jitted loop advanced for `request_ids` (see `take_state`).
+
+        The loop may only have allocated tokens for these requests; the host's count of
+        their computed tokens is read back from the device (one transfer). Append the
+        tokens they produced with `append_token_ids` before scheduling them again.
+        """
+        if self._state is not None:
+            raise ValueError("adopt_state without take_state: the manager still holds its state")
+        slots = self._slots(request_ids)
+        self._state = state
+        num_computed, num_free = jax.device_get((state.num_computed[slots], state.pool.num_free_blocks))
+        self._num_computed[slots] = num_computed
+        self._num_free_blocks = int(num_free)
+        self._check()
+
     def slots_of(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """int32[R]: the state slot of each request."""
         return self._slots(request_ids)
