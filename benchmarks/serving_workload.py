@@ -33,6 +33,7 @@ JSON line; exits non-zero if a block is not back in the pool at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -90,7 +91,8 @@ def warm_up(mgr: KVCacheManager) -> float:
     return time.perf_counter() - t0
 
 
-def replay(args, workload: dict) -> dict:
+def replay(args, workload: dict, trace=None) -> dict:
+    """Runs the workload once; `trace`, an open text file, gets one JSON line per step."""
     vocab = workload["vocab"]
     cfg = gemma3_27b_config(args.num_blocks, args.max_model_len, args.max_num_batched_tokens)
     mgr = KVCacheManager(cfg, max_num_seqs=args.max_num_seqs, enable_prefix_caching=True)
@@ -122,6 +124,7 @@ def replay(args, workload: dict) -> dict:
         budget = args.max_num_batched_tokens
         kv_t = 0.0
         scheduled: list[tuple[Request, int]] = []
+        preempted: list[int] = []
 
         # (1) Running requests in admission order, and (2) the waiting requests that admission
         # would try if nothing gets preempted, in one batch: running rows first, candidates after
@@ -157,7 +160,7 @@ def replay(args, workload: dict) -> dict:
             scheduled.append((req, n))
             hit_tokens += hit
             admitted += 1
-        if len(batch) < num_ok < len(rows):
+        if len(batch) <= num_ok < len(rows):  # all running rows fit, a candidate did not
             admission_failures += 1
         dropped = candidates[max(num_ok - len(batch), 0):]
         if dropped:  # hold no block: host-only
@@ -171,6 +174,7 @@ def replay(args, workload: dict) -> dict:
             victim.num_computed = 0
             victim.num_preemptions += 1
             preemptions += 1
+            preempted.append(victim.idx)
             waiting.appendleft(victim)
             if victim is failed:
                 break
@@ -181,6 +185,9 @@ def replay(args, workload: dict) -> dict:
             batch = batch[num_ok:]
 
         peak_used = max(peak_used, total_blocks - mgr.num_free_blocks)
+        if trace is not None:
+            trace.write(json.dumps({"step": len(step_kv_us), "scheduled": [[r.idx, n] for r, n in scheduled],
+                                    "preempted": preempted, "free_blocks": mgr.num_free_blocks}) + "\n")
 
         # (3) Model step.
         done = []
@@ -249,6 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--warmup-replays", type=int, default=1, help="untimed replays first (0: time the first one)")
+    p.add_argument("--trace", default=None, help="write each step's scheduled rows, preemptions and free "
+                   "blocks (JSONL), for benchmarks/compare_vllm_trace.py")
     p.add_argument("--json", action="store_true", help="print one JSON line (otherwise a short summary)")
     args = p.parse_args(argv)
     jax.config.update("jax_cpu_enable_async_dispatch", False)  # each call returns small results at once
@@ -258,7 +267,8 @@ def main(argv=None) -> int:
         # XLA:CPU finishes preparing a kernel the first time it runs (about 1-30 ms), so an
         # untimed replay first runs every path; the managers share the compiled executables.
         warm_s += replay(args, workload)["wall_s"]
-    out = replay(args, workload)
+    with open(args.trace, "w") if args.trace else contextlib.nullcontext() as trace:
+        out = replay(args, workload, trace)
     out["warmup_replays"], out["warmup_s"] = args.warmup_replays, warm_s
     if args.json:
         print(json.dumps(out), flush=True)

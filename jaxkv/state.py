@@ -319,20 +319,29 @@ def _rows(state: ManagerState, req_slots):
 
 
 def _forget_rows(state: ManagerState, req_slots, rules: GroupRules):
-    """Empties the slots of requests being freed; returns the state and the ranges they held.
+    """Empties the slots of requests being freed.
 
-    The table entries are left for `_release_ranges`.
+    Returns the state, the table ranges they held (for `_release_ranges`) and int32[] the
+    blocks that holds (exact without shared blocks; an overestimate with them).
     """
     row, slots, scatter_slots = _rows(state, req_slots)
+    shape = state.block_tables.shape
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]
     start, count, stride = held_ranges(n, state.first_live_idx[:, slots].T, rules)
-    ranges = _table_ranges(state.block_tables.shape, slots, start, jnp.where(row[:, None], count, 0), stride)
+    count = jnp.where(row[:, None], count, 0)
+    # Attention ranges hold a block at every entry; a state group's two entries may be NULL.
+    group = jnp.arange(shape[0])[None, :]
+    first_block = state.block_tables[group, slots[:, None], jnp.minimum(start, shape[2] - 1)]
+    last_block = state.block_tables[group, slots[:, None], jnp.minimum(start + stride, shape[2] - 1)]
+    state_blocks = (count > 0) * (first_block != NULL_BLOCK) + (count > 1) * (last_block != NULL_BLOCK)
+    num_blocks = jnp.sum(jnp.where(rules.kind == MAMBA, state_blocks, count))
+    ranges = _table_ranges(shape, slots, start, count, stride)
     state = dataclasses.replace(
         state,
         first_live_idx=state.first_live_idx.at[:, scatter_slots].set(0, mode="drop"),
         num_computed=state.num_computed.at[scatter_slots].set(0, mode="drop"),
     )
-    return state, ranges
+    return state, ranges, num_blocks
 
 
 def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None, *,
@@ -347,13 +356,17 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     free_slots:      int32[F] or None; requests to free first (as `free`), saving a
                      dispatch; S marks padding
 
-    1. The freed requests release their blocks; then every row releases, in every
-       group, what the group no longer needs by the tokens computed before the
-       call (blocks behind a window are garbage either way; DESIGN.md invariant 5
-       allows it). One pass over all released table entries.
-    2. Rows take blocks in order, all groups at once; the first row that does not
-       fit, and every row after it, takes nothing and keeps its table (ok False).
-       This matches a scheduler that preempts and retries from the failed row.
+    Rows are handled as vLLM handles requests one after another (same outcome, one pass):
+    1. the freed requests release their blocks;
+    2. row i: if `num_full_tokens` asks, the whole request must fit in the blocks free
+       before its release; it releases, in every group, what the group no longer needs
+       by the tokens computed before the call (blocks behind a window: garbage either
+       way, DESIGN.md invariant 5); it takes the blocks its new tokens need, all groups
+       at once, if they fit. The first row that does not fit, and every row after it,
+       takes nothing and keeps its table (ok False); rows after it release nothing.
+       A scheduler preempts and retries from the failed row.
+    The releases (all rows up to the failed one) happen before the takes, so a row may
+    reuse a block a later row released; counts and outcomes are the sequential ones.
     `chunk_sizes` (static): how many table entries one loop step may handle; each
     loop takes the smallest that covers its total (default `default_chunk_sizes`).
     Any choice is correct. Returns the state and an AllocateResult. Jitted as
@@ -362,36 +375,53 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     rules = group_rules(cfg)
     sizes = chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0])
     shape = state.block_tables.shape
+    num_free = state.pool.num_free_blocks
     if free_slots is not None:
-        state, freed_ranges = _forget_rows(state, free_slots, rules)
+        state, freed_ranges, num_freed_by_frees = _forget_rows(state, free_slots, rules)
+        num_free = num_free + num_freed_by_frees
     row, slots, scatter_slots = _rows(state, req_slots)
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
     k = jnp.where(row, num_new_tokens, 0)[:, None]
     first_live = state.first_live_idx[:, slots].T  # [R, G]
     keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
 
-    # 1. Release what the freed requests held, then what every row's groups no longer need.
-    ranges = _table_ranges(shape, slots, first_live, jnp.where(row[:, None], num_released, 0))
-    if free_slots is not None:
-        ranges = tuple(jnp.concatenate(parts) for parts in zip(freed_ranges, ranges))
-    state = _release_ranges(state, ranges, sizes)
-    state = dataclasses.replace(
-        state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(keep.T, mode="drop")
-    )
-
-    # 2. Take new blocks, rows in order while they fit.
+    # Blocks each row's release frees: every entry of an attention range holds a block,
+    # a state group's old entry may be NULL. Shared blocks (prefix caching) free nothing
+    # until their last holder releases them: counting them overestimates, which the
+    # check against the pool's own count after the releases corrects (conservatively).
+    old_state_block = state.block_tables[jnp.arange(shape[0])[None, :], slots[:, None],
+                                         jnp.minimum(first_live, shape[2] - 1)]
+    num_freed = jnp.where((rules.kind == MAMBA) & (old_state_block == NULL_BLOCK), 0, num_released)
+    num_freed = jnp.where(row, jnp.sum(num_freed, axis=1), 0)  # [R]
     num_need = jnp.sum(need, axis=1)
-    num_gate = num_need
+    bound = num_need.shape[0] * shape[0] * shape[2]
+    need_before = cumsum(num_need, bound=bound) - num_need
+    free_before = num_free + cumsum(num_freed, bound=bound) - num_freed
+    fits = need_before + num_need <= free_before + num_freed
+    gate = jnp.ones_like(fits)
     if num_full_tokens is not None:
         full = jnp.where(row, num_full_tokens, 0)[:, None]
         table_len = -(-n // rules.block_size)
         full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
         full_need = jnp.sum(jnp.maximum(full_blocks - table_len, 0), axis=1)
-        num_gate = jnp.where(full[:, 0] > 0, jnp.maximum(num_need, full_need), num_need)
-    need_before = cumsum(num_need, bound=num_need.shape[0] * shape[0] * shape[2]) - num_need
-    fits = need_before + num_gate <= state.pool.num_free_blocks
+        gate = (full[:, 0] == 0) | (need_before + full_need <= free_before)
     row_idx = jnp.arange(fits.shape[0], dtype=jnp.int32)
-    ok = (row_idx < jnp.min(jnp.where(fits, fits.shape[0], row_idx))) & row
+    first_failed = jnp.min(jnp.where(fits & gate, fits.shape[0], row_idx))
+    releasing = row & ((row_idx < first_failed) | ((row_idx == first_failed) & gate))
+
+    # 1. Release what the freed requests held, then behind windows for rows up to the failed
+    # one: one pass.
+    ranges = _table_ranges(shape, slots, first_live, jnp.where(releasing[:, None], num_released, 0))
+    if free_slots is not None:
+        ranges = tuple(jnp.concatenate(parts) for parts in zip(freed_ranges, ranges))
+    state = _release_ranges(state, ranges, sizes)
+    new_first_live = jnp.where(releasing[:, None], keep, first_live)
+    state = dataclasses.replace(
+        state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(new_first_live.T, mode="drop")
+    )
+
+    # 2. Take new blocks, rows before the failed one (and only while the pool's count allows).
+    ok = row & (row_idx < first_failed) & (need_before + num_need <= state.pool.num_free_blocks)
     state = _fill_ranges(state, _table_ranges(shape, slots, first_new, jnp.where(ok[:, None], need, 0)), sizes)
     num_slots = state.num_computed.shape[0]
     num_computed = state.num_computed.at[jnp.where(ok, slots, num_slots)].set((n + k)[:, 0], mode="drop")
@@ -408,7 +438,7 @@ def _free(state: ManagerState, req_slots, *, cfg: KVCacheConfig,
     that among cached blocks a shared prefix is evicted after the tails.
     Jitted as `free` (config and chunk sizes static, state donated).
     """
-    state, ranges = _forget_rows(state, req_slots, group_rules(cfg))
+    state, ranges, _ = _forget_rows(state, req_slots, group_rules(cfg))
     return _release_ranges(state, ranges, chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0]))
 
 

@@ -6,9 +6,10 @@ state with it after every step.
 
 * Free order: a list, head first. A freed uncached block is inserted at the
   head, a freed cached block appended at the tail; allocation pops the head.
-* allocate: every row first releases what its groups no longer need (by the
-  tokens computed before the call), then rows take blocks in order until the
-  first one that does not fit; it and all later rows fail.
+* allocate: vLLM's sequential outcome (row by row: full-sequence gate, release
+  what its groups no longer need by the tokens computed before the call, take
+  if it fits; the first row that fails and all later ones take nothing, later
+  ones release nothing), with all releases done before the takes.
 * free: per request, group by group, each group's blocks tail first.
 """
 
@@ -93,29 +94,34 @@ class ModelState:
 
     # ---- transitions ------------------------------------------------------------------------
     def allocate(self, slots, num_new_tokens, num_full_tokens=None) -> list[bool]:
-        for s in slots:
-            n = self.num_computed[s]
-            for g, group in enumerate(self.groups):
-                live = self.first_live[g][s]
-                keep = max(live, min(self.keep_from(g, n), cdiv(n, group.block_size)))
-                self._release_range(g, s, live, keep)
-                self.first_live[g][s] = keep
-        ok, used, failed = [], 0, False
+        """vLLM's sequential outcome: row by row, gate (before the row's release), release,
+        take if it fits; stop at the first failure. The takes happen after all releases."""
+        num_free, num_taken, ok, released = self.num_free_blocks, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             n = self.num_computed[s]
-            need = sum(len(self.new_range(g, n, k)) for g in range(len(self.groups)))
-            gate = need
             full = 0 if num_full_tokens is None else num_full_tokens[i]
             if full > 0:
                 full_need = 0
                 for g, group in enumerate(self.groups):
                     cap = group.spec.blocks_per_request(self.cfg.max_model_len, self.cfg.max_num_batched_tokens)
                     full_need += max(0, min(cdiv(full, group.block_size), cap) - cdiv(n, group.block_size))
-                gate = max(need, full_need)
-            failed = failed or used + gate > self.num_free_blocks
-            ok.append(not failed)
-            if not failed:
-                used += need
+                if num_taken + full_need > num_free:
+                    break
+            released.append(s)
+            num_free += sum(self._num_behind_window(g, s) for g in range(len(self.groups)))
+            need = sum(len(self.new_range(g, n, k)) for g in range(len(self.groups)))
+            if num_taken + need > num_free:
+                break
+            num_taken += need
+            ok.append(True)
+        ok += [False] * (len(slots) - len(ok))
+        for s in released:
+            n = self.num_computed[s]
+            for g, group in enumerate(self.groups):
+                live = self.first_live[g][s]
+                keep = self._keep(g, s)
+                self._release_range(g, s, live, keep)
+                self.first_live[g][s] = keep
         for s, k, fits in zip(slots, num_new_tokens, ok):
             if not fits:
                 continue
@@ -125,6 +131,15 @@ class ModelState:
                     self.tables[g][s][j] = self.pop()
             self.num_computed[s] = n + k
         return ok
+
+    def _keep(self, g: int, s: int) -> int:
+        n = self.num_computed[s]
+        return max(self.first_live[g][s], min(self.keep_from(g, n), cdiv(n, self.groups[g].block_size)))
+
+    def _num_behind_window(self, g: int, s: int) -> int:
+        """Blocks the release of slot s in group g frees (none shared in these tests)."""
+        table = self.tables[g][s]
+        return sum(1 for j in range(self.first_live[g][s], self._keep(g, s)) if table[j] != NULL_BLOCK)
 
     def free(self, slots) -> None:
         for s in slots:

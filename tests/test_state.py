@@ -216,6 +216,24 @@ def test_rows_after_a_failure_fail_too():
     assert int(state.pool.num_free_blocks) == 5
 
 
+def test_rows_after_a_failure_release_nothing():
+    # vLLM handles requests one by one: a request after the one that fails is not reached,
+    # so its blocks behind the window stay (the scheduler retries it after preempting).
+    cfg = make_cfg(16, full(2), sliding(2, 4), max_model_len=16)
+    state = ms.init_state(cfg, 2)
+    state, ok = _allocate(state, cfg, [0, 1], [5, 5])  # 3 + 3 blocks each, 3 left
+    assert ok == [True, True]
+    before = jax.device_get(state.block_tables)
+    # Row 0 releases its SW index 0 (4 free), then needs 4 + 4 > 4: fails. Row 1 is not reached.
+    state, ok = _allocate(state, cfg, [0, 1], [8, 1])
+    assert ok == [False, False]
+    after = jax.device_get(state.block_tables)
+    assert after[1, 0, 0] == NULL_BLOCK and after[1, 1, 0] == before[1, 1, 0] != NULL_BLOCK
+    assert int(state.pool.num_free_blocks) == 4
+    state, ok = _allocate(state, cfg, [1], [1])  # retried: now it releases and fits
+    assert ok == [True] and int(state.pool.num_free_blocks) == 5  # its SW index 0 back, nothing new needed
+
+
 def test_full_sequence_must_fit_gate():
     cfg = make_cfg(10, full(2), sliding(2, 4), max_model_len=16, max_num_batched_tokens=4)
     state = ms.init_state(cfg, 2)
