@@ -11,6 +11,7 @@ and the pool is small enough that requests are preempted and resumed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 
@@ -67,10 +68,13 @@ def main(argv=None) -> int:
                        record_logits=args.check, mesh=mesh)
     requests = loop.generate(prompts, args.max_new_tokens, progress=True)
     s = loop.stats
+    digest = hashlib.sha256(repr([r.output for r in requests]).encode()).hexdigest()[:16]
     full = kv_cfg.all_full
     print(f"devices: {args.tp} ({jax.default_backend()}), {len(requests)} requests, {s.tokens_generated} tokens "
           f"generated in {s.seconds:.2f} s: {s.tokens_generated / s.seconds:.1f} tokens/s "
           f"({s.tokens_computed / s.seconds:.1f} tokens/s computed incl. prefill)")
+    print(f"cache {tuple(loop.cache.shape)} sharded as {loop.cache.sharding.spec if args.tp > 1 else 'one device'}; "
+          f"generated tokens digest {digest}")
     print(f"engine steps: {s.steps} ({s.device_loops} on-device loops of {args.decode_steps} decode steps), "
           f"preemptions: {s.preemptions}")
     print(f"prefix-hit rate: {s.prefix_hit_tokens}/{s.prompt_tokens} prompt tokens "

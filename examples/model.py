@@ -29,8 +29,8 @@ class ModelConfig:
     num_layers: int = 12
     embed_dim: int = 128
     hidden_dim: int = 256
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4
     head_dim: int = 32
     sliding_window: int = 64
     sliding_window_pattern: int = 6  # layer i is global when (i + 1) % pattern == 0
@@ -45,8 +45,8 @@ class ModelConfig:
     @classmethod
     def tiny(cls) -> ModelConfig:
         """A configuration for CI: 6 layers (5 sliding + 1 global), window 8."""
-        return cls(vocab_size=64, num_layers=6, embed_dim=32, hidden_dim=64, num_heads=4,
-                   num_kv_heads=2, head_dim=8, sliding_window=8)
+        return cls(vocab_size=64, num_layers=6, embed_dim=32, hidden_dim=64, num_heads=8,
+                   num_kv_heads=4, head_dim=8, sliding_window=8)
 
     def is_global(self, layer_idx: int) -> bool:
         return (layer_idx + 1) % self.sliding_window_pattern == 0

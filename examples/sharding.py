@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.paged_attention import paged_attention
@@ -30,7 +31,7 @@ def model_mesh(num_devices: int) -> jax.sharding.Mesh:
     if jax.device_count() < num_devices:
         raise ValueError(f"{num_devices=} devices asked for, {jax.device_count()} present; on CPU set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before JAX starts")
-    return jax.make_mesh((num_devices,), (AXIS,), devices=jax.devices()[:num_devices])
+    return jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), (AXIS,))
 
 
 def cache_sharding(mesh: jax.sharding.Mesh | None):
