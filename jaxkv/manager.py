@@ -10,9 +10,9 @@ dispatch for many requests; the per-request calls are batches of one.
 Fast path:
 * batches are padded to 8 rows or to `max_num_seqs`: two compiled shapes per
   transition (`warm_up` compiles them) serve every step;
-* `free` only records the slots; the next allocation frees them first in its own
-  dispatch (anything that reads the device state flushes them), so a serving
-  step is one dispatch and one small transfer back (ok flags, free count).
+* `free` only records the slots; the next allocation frees them first, in the
+  same dispatch (anything that reads the device state flushes them first), so a
+  serving step is one dispatch and one small transfer back (ok flags, free count).
 """
 
 from __future__ import annotations

@@ -92,8 +92,14 @@ def run_random_sequence(data, cfg, chunk_sizes):
                 new_tokens.append(data.draw(st.integers(0, min(remaining, 8)), label="num_new_tokens"))
                 must_fit = model.num_computed[slot] == 0 and data.draw(st.booleans(), label="must_fit")
                 full_tokens.append(num_tokens[slot] if must_fit else 0)
+            # Requests not in the batch may be freed in the same call, first.
+            others = sorted(set(num_tokens) - set(slots))
+            freed = data.draw(st.lists(st.sampled_from(others), unique=True), label="freed") if others else []
             state, result = ms.allocate(state, _pad(slots, NUM_SLOTS), _pad(new_tokens, 0), _pad(full_tokens, 0),
-                                        cfg=cfg, chunk_sizes=chunk_sizes)
+                                        _pad(freed, NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes)
+            model.free(freed)
+            for slot in freed:
+                del num_tokens[slot]
             expected_ok = model.allocate(slots, new_tokens, full_tokens)
             assert np.asarray(result.ok).tolist() == expected_ok + [False] * (NUM_SLOTS - len(slots))
             assert int(result.num_free_blocks) == model.num_free_blocks
