@@ -8,8 +8,9 @@ caught before anything is dispatched. Every `*_batch` call is one jitted
 dispatch for many requests; the per-request calls are batches of one.
 
 Fast path:
-* batches are padded to 8 rows or to `max_num_seqs`: two compiled shapes per
-  transition (`warm_up` compiles them) serve every step;
+* batches are padded to 8 rows or to `max_num_seqs`, with or without pending
+  frees: four compiled shapes of the allocation (`warm_up` compiles them) serve
+  every step;
 * `free` only records the slots; the next allocation frees them first, in the
   same dispatch (anything that reads the device state flushes them first), so a
   serving step is one dispatch and one small transfer back (ok flags, free count).
@@ -180,8 +181,10 @@ class KVCacheManager:
             rows[2, : len(slots)] = np.where(must_fit, num_tokens, 0)
         if len(self._pending_free) > FREE_ROWS:
             self._flush_frees()
-        free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)
-        free_slots[: len(self._pending_free)] = self._pending_free
+        free_slots = None  # a shape without the free pass (compiled apart) when nothing is pending
+        if self._pending_free:
+            free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)
+            free_slots[: len(self._pending_free)] = self._pending_free
         rows = rows.astype(np.int32)
         self._state, packed = self._allocate_fn(self._state, rows, free_slots)
         self._pending_free.clear()
@@ -333,11 +336,11 @@ class KVCacheManager:
     def warm_up(self) -> None:
         """Compiles every shape the manager dispatches (calls that change nothing), so that no
         step of a serving loop waits for a compilation."""
-        free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)  # padding rows only
         for num_rows in sorted({self._num_rows(1), self.max_num_seqs}):
             rows = np.zeros((3, num_rows), np.int32)
-            rows[0] = self.max_num_seqs
-            self._state, _ = self._allocate_fn(self._state, rows, free_slots)
+            rows[0] = self.max_num_seqs  # padding rows only
+            for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
+                self._state, _ = self._allocate_fn(self._state, rows, free_slots)
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
             self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
 

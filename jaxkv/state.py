@@ -205,9 +205,9 @@ def _range_layout(count, max_entries: int):
     order, total []).
     """
     num_ranges = count.shape[0]
-    ends = cumsum(count, bound=max_entries)
     nonempty = count > 0
-    nonempty_rank = count_prefix(nonempty) - 1
+    scans = cumsum(jnp.stack([count, nonempty.astype(jnp.int32)]), bound=max_entries)  # one scan for both
+    ends, nonempty_rank = scans[0], scans[1] - 1
     nonempty_ids = jnp.zeros(num_ranges, jnp.int32).at[jnp.where(nonempty, nonempty_rank, num_ranges)].set(
         jnp.arange(num_ranges, dtype=jnp.int32), mode="drop")
     return ends - count, nonempty, nonempty_ids, ends[-1]
@@ -394,9 +394,9 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     num_freed = jnp.where((rules.kind == MAMBA) & (old_state_block == NULL_BLOCK), 0, num_released)
     num_freed = jnp.where(row, jnp.sum(num_freed, axis=1), 0)  # [R]
     num_need = jnp.sum(need, axis=1)
-    bound = num_need.shape[0] * shape[0] * shape[2]
-    need_before = cumsum(num_need, bound=bound) - num_need
-    free_before = num_free + cumsum(num_freed, bound=bound) - num_freed
+    scans = cumsum(jnp.stack([num_need, num_freed]), bound=num_need.shape[0] * shape[0] * shape[2])
+    need_before = scans[0] - num_need
+    free_before = num_free + scans[1] - num_freed
     fits = need_before + num_need <= free_before + num_freed
     gate = jnp.ones_like(fits)
     if num_full_tokens is not None:

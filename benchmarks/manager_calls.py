@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Where a jitted allocation's time goes: dispatch, the transition's fixed cost, and its cost per block.
+
+For the Gemma-3-27B-like config of serving_workload.py (7 groups, block 16) at two pool sizes, times
+(best of 5 × 30 calls, µs per call, result on the host):
+  dispatch   a jitted function that takes the ManagerState (donated) and returns it untouched;
+  noop       `KVCacheManager.allocate_slots_batch` of R decode rows that need no new block;
+  new_block  R rows that each need one new block per group (7·R new entries);
+  prefill    2 rows of 4,096 new tokens (2 × 7 × 256 = 3,584 new blocks), R − 2 decode rows;
+  release    R rows of one new block per group, after R/8 rows were prefilled to 1,536 tokens:
+             their 6 sliding groups each release 32 blocks (R/8 × 192 entries).
+
+    python benchmarks/manager_calls.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from serving_workload import gemma3_27b_config  # noqa: E402
+
+from jaxkv.manager import KVCacheManager  # noqa: E402
+
+BLOCK = 16
+
+
+def best_us(fn, setup, repeats=5, calls=30):
+    """Best mean over `repeats` of `calls` calls of fn(); setup() before each call, untimed."""
+    best = float("inf")
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(calls):
+            setup()
+            t = time.perf_counter()
+            fn()
+            total += time.perf_counter() - t
+        best = min(best, total / calls)
+    return best * 1e6
+
+
+def measure(num_blocks: int, num_rows: int) -> dict:
+    cfg = gemma3_27b_config(num_blocks, 32768, 8192)
+    out = {}
+    mgr = KVCacheManager(cfg, max_num_seqs=256)
+    mgr.warm_up()
+    passthrough = jax.jit(lambda state, x: (state, x + 1), donate_argnums=0)
+    holder = {"state": mgr.take_state()}
+
+    def dispatch():
+        holder["state"], x = passthrough(holder["state"], np.int32(0))
+        np.asarray(x)
+
+    out["dispatch"] = best_us(dispatch, lambda: None)
+    mgr.adopt_state(holder["state"], [])
+
+    ids = list(range(num_rows))
+    for i in ids:
+        mgr.add_request(i, [0] * 9000)
+    counter = {"n": 0}
+
+    def fresh(prefill_tokens):
+        """Frees everything, then prefills every row to `prefill_tokens` (untimed)."""
+        mgr.free_batch(ids)
+        for i in ids:
+            mgr.add_request(i, [0] * 9000)
+        mgr.allocate_slots_batch(ids, prefill_tokens)
+        mgr.num_free_blocks  # flush
+
+    # noop: rows at 1 token into a block decode one more token (no block boundary).
+    fresh([BLOCK + 1] * num_rows)
+    out["noop"] = best_us(lambda: mgr.allocate_slots_batch(ids, [1] * num_rows), lambda: None, calls=10)
+
+    def at_boundary():
+        if counter["n"] % 10 == 0:
+            fresh([BLOCK * 2] * num_rows)
+        counter["n"] += 1
+
+    def one_each():
+        mgr.allocate_slots_batch(ids, [BLOCK] * num_rows)  # one new block per group per row
+
+    out["new_block"] = best_us(one_each, at_boundary, calls=9)
+
+    def prefill_setup():
+        fresh([BLOCK + 1] * num_rows)
+
+    out["prefill"] = best_us(lambda: mgr.allocate_slots_batch(ids, [4096, 4096] + [1] * (num_rows - 2)),
+                             prefill_setup, calls=5)
+
+    eighth = max(num_rows // 8, 1)
+
+    def release_setup():
+        fresh([1536] * eighth + [BLOCK] * (num_rows - eighth))
+
+    out["release"] = best_us(lambda: mgr.allocate_slots_batch(ids, [BLOCK] * num_rows), release_setup, calls=5)
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    results = {f"{num_blocks}/R={num_rows}": measure(num_blocks, num_rows)
+               for num_blocks in (32768, 131072) for num_rows in (8, 256)}
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for key, row in results.items():
+            print(key, row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
