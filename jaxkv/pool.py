@@ -106,7 +106,8 @@ def _prefix_matmul(x):
     HIGHEST precision: GPUs (TF32) and TPUs (bfloat16 passes) would round float32 sums.
     """
     n = x.shape[-1]
-    return jnp.matmul(x, jnp.triu(jnp.ones((n, n), x.dtype)), precision=lax.Precision.HIGHEST)
+    triangular = np.triu(np.ones((n, n), x.dtype))  # a compile-time constant
+    return jnp.matmul(x, triangular, precision=lax.Precision.HIGHEST)
 
 
 def cumsum(x, bound: int | None = None):
