@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from serving_workload import gemma3_27b_config  # noqa: E402
+from serving_workload import gemma3_27b_config, sync_cpu_dispatch  # noqa: E402
 
 from jaxkv.manager import KVCacheManager  # noqa: E402
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    sync_cpu_dispatch()
     results = {f"{num_blocks}/R={num_rows}": measure(num_blocks, num_rows)
                for num_blocks in (32768, 131072) for num_rows in (8, 256)}
     if args.json:
