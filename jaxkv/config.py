@@ -295,7 +295,7 @@ class KVCacheConfig:
         lines = [
             f"KV cache plan: {self.num_layers} layers in {num_groups} group{'s' * (num_groups != 1)}, "
             f"one pool of {self.bytes_per_block:,} B blocks, layout {self.layout}"
-            + (f", budget {self.available_bytes / GiB:.2f} GiB" if self.available_bytes is not None else "")
+            + (f", budget {_human_bytes(self.available_bytes)}" if self.available_bytes is not None else "")
         ]
         for i, (g, n) in enumerate(zip(self.groups, self.blocks_per_request)):
             pages = sorted({s.page_size_bytes for s in g.specs})
@@ -329,6 +329,14 @@ class KVCacheConfig:
         elif any(g.kind in ("sliding_window", "chunked_local") for g in self.groups):
             lines.append("All full attention: one request of max_model_len does not fit this budget")
         return "\n".join(lines)
+
+
+def _human_bytes(num_bytes: int) -> str:
+    """E.g. "40.00 GiB", "64.00 MiB", "512 B"."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _abbreviate(names: tuple[str, ...], limit: int = 12) -> str:
