@@ -176,3 +176,43 @@ def assert_pool_matches(pool, model: ModelState) -> None:
     for b, g in model.cached_group.items():
         group[b] = g
     np.testing.assert_array_equal(pool.block_group, group, err_msg="cached groups")
+
+
+class IndexModel:
+    """The prefix-cache index (`jaxkv.prefix_cache`) as a dict, with its bucket capacity.
+
+    An insert call inserts its entries one after another: an entry whose (key, group)
+    is indexed is skipped; otherwise it is placed if its bucket has an empty way.
+    """
+
+    def __init__(self, num_blocks: int, ways: int):
+        from jaxkv.prefix_cache import num_buckets_for
+
+        self.ways = ways
+        self.num_buckets = num_buckets_for(num_blocks, ways)
+        self.block_key: dict[int, tuple[tuple[int, ...], int]] = {}  # block -> (key words, group)
+
+    def bucket(self, key, group: int) -> int:
+        return (int(key[0]) ^ (group * 0x9E3779B9)) & 0xFFFFFFFF & (self.num_buckets - 1)
+
+    def entries(self) -> dict[tuple[tuple[int, ...], int], int]:
+        return {kg: block for block, kg in self.block_key.items()}
+
+    def probe(self, key, group: int) -> int:
+        return self.entries().get((tuple(int(w) for w in key), group), NULL_BLOCK)
+
+    def insert(self, entries) -> list[bool]:
+        """entries: (block, key, group) in batch order. Returns placed flags."""
+        placed = []
+        for block, key, group in entries:
+            kg = (tuple(int(w) for w in key), group)
+            bucket = self.bucket(*kg)
+            fits = sum(self.bucket(*other) == bucket for other in self.block_key.values()) < self.ways
+            placed.append(kg not in self.entries() and fits)
+            if placed[-1]:
+                self.block_key[block] = kg
+        return placed
+
+    def remove(self, blocks) -> None:
+        for block in blocks:
+            self.block_key.pop(block, None)
