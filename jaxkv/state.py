@@ -36,7 +36,11 @@ import numpy as np
 from jax import lax
 
 from jaxkv.config import KVCacheConfig
-from jaxkv.pool import PoolState, count_prefix, cumsum, init_pool, pop, release
+from jaxkv.pool import PoolState, cumsum, init_pool, pop, release
+from jaxkv.ranges import in_chunks as _in_chunks
+from jaxkv.ranges import range_chunk as _range_chunk
+from jaxkv.ranges import range_layout as _range_layout
+from jaxkv.ranges import table_ranges as _table_ranges
 from jaxkv.specs import NULL_BLOCK, cdiv
 
 FULL, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA = 0, 1, 2, 3
@@ -194,68 +198,6 @@ def held_ranges(num_computed, first_live, rules: GroupRules, xp=jnp):
     count = xp.where(is_mamba, xp.where(table_len == 0, 0, xp.where(last_idx > start, 2, 1)), table_len - start)
     stride = xp.where(is_mamba, xp.maximum(last_idx - start, 1), 1)
     return start, count, stride
-
-
-def _range_layout(count, max_entries: int):
-    """Layout of the ragged list of entries of the ranges with `count` int32[Q] (range-major).
-
-    `max_entries` (static) bounds the total.
-
-    Returns (range_starts [Q], nonempty bool[Q], nonempty_ids [Q]: the non-empty ranges in
-    order, total []).
-    """
-    num_ranges = count.shape[0]
-    nonempty = count > 0
-    scans = cumsum(jnp.stack([count, nonempty.astype(jnp.int32)]), bound=max_entries)  # one scan for both
-    ends, nonempty_rank = scans[0], scans[1] - 1
-    nonempty_ids = jnp.zeros(num_ranges, jnp.int32).at[jnp.where(nonempty, nonempty_rank, num_ranges)].set(
-        jnp.arange(num_ranges, dtype=jnp.int32), mode="drop")
-    return ends - count, nonempty, nonempty_ids, ends[-1]
-
-
-def _range_chunk(layout, chunk_idx, size: int):
-    """Entries `chunk_idx × size + [0, size)` of the ragged list (`layout` from `_range_layout`).
-
-    Returns (in_range bool[K], range id [K], offset within the range [K]). An entry's range
-    is the last non-empty one starting at or before it: a prefix count of range starts,
-    no search per entry.
-    """
-    range_starts, nonempty, nonempty_ids, total = layout
-    base = chunk_idx * size
-    rel = range_starts - base
-    starts_here = jnp.zeros(size, jnp.int32).at[jnp.where(nonempty & (rel >= 0), rel, size)].add(1, mode="drop")
-    started_before = jnp.sum(nonempty & (rel < 0), dtype=jnp.int32)
-    rank = jnp.clip(started_before + count_prefix(starts_here) - 1, 0, nonempty_ids.shape[0] - 1)
-    range_id = nonempty_ids[rank]
-    entry = base + jnp.arange(size, dtype=jnp.int32)
-    return entry < total, range_id, entry - range_starts[range_id]
-
-
-def _in_chunks(total, chunk_sizes: tuple[int, ...], body_for_size, state):
-    """Runs `body_for_size(size)(chunk_idx, state)` over all `total` entries, `size` per step.
-
-    Takes the smallest size that covers the total (else the largest, in several steps). One
-    loop per size, all but the chosen one run zero steps: unlike `lax.switch`, loops carry the
-    state in place (a conditional over the state would copy it).
-    """
-    choice = sum((total > size).astype(jnp.int32) for size in chunk_sizes[:-1])
-    for i, size in enumerate(chunk_sizes):
-        num_steps = jnp.where(choice == i, cdiv(total, size), 0)
-        state = lax.fori_loop(0, num_steps, body_for_size(size), state)
-    return state
-
-
-def _table_ranges(shape, slots, start, count, stride=None):
-    """Flattens per-row, per-group table ranges to per-range arrays [Q = R × G].
-
-    Returns (count [Q], first flat table index [Q], flat index step [Q]): entry i of range q
-    is table entry `first[q] + i × step[q]` of block_tables [G, S, M] flattened.
-    """
-    num_groups, num_slots, max_blocks = shape
-    g = jnp.arange(num_groups, dtype=jnp.int32)[None, :]
-    first = (g * num_slots + slots[:, None]) * max_blocks + start
-    step = jnp.ones_like(start) if stride is None else stride
-    return count.reshape(-1), first.reshape(-1), step.reshape(-1)
 
 
 def _release_ranges(state: ManagerState, ranges, chunk_sizes) -> ManagerState:
