@@ -138,12 +138,14 @@ class ServingLoop:
         requests = [Request(i, list(p), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
         self.waiting = list(requests)
         self.running: list[Request] = []
+        self._stalled = False  # a device loop ran out of blocks: the next step preempts on the host
         start = time.perf_counter()
         while self.waiting or self.running:
-            if self._all_decoding() and self.decode_steps > 1:
-                self._device_decode()
+            if self._all_decoding() and self.decode_steps > 1 and not self._stalled:
+                self._stalled = self._device_decode()
             else:
                 self._engine_step()
+                self._stalled = False
             self._track_blocks()
             if progress:
                 done = sum(r.done for r in requests)
@@ -247,7 +249,8 @@ class ServingLoop:
             if req.num_computed == len(req.tokens):
                 self._emit(req, [int(np.argmax(logits[t - 1]))])
 
-    def _device_decode(self):
+    def _device_decode(self) -> bool:
+        """Runs `decode_steps` decode steps on device; True if a row could not get a block (stalled)."""
         num_rows = self.max_num_seqs
         req_slots = np.full(num_rows, num_rows, np.int32)
         next_token = np.zeros(num_rows, np.int32)
@@ -271,6 +274,7 @@ class ServingLoop:
                     req.logits[req.num_computed] = logits[s, i]
                 req.num_computed += 1
             self._emit(req, tokens[steps, i].tolist())
+        return bool((produced.sum(0)[:n] < np.minimum(remaining[:n], self.decode_steps)).any())
 
     def _emit(self, req: Request, new_tokens: list[int]):
         """Appends sampled tokens; frees the request once it has all its outputs."""

@@ -20,10 +20,10 @@ TINY = ["--tiny", "--check", "--num-prompts", "8", "--max-prompt-len", "40", "--
         "--block-size", "4", "--num-blocks", "70", "--system-prompt-len", "12", "--max-num-batched-tokens", "16"]
 
 
-def run_decode(*extra: str) -> str:
+def run_decode(*extra: str, timeout: int = 600) -> str:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, str(EXAMPLES / "decode.py"), *TINY, *extra], env=env,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout
 
@@ -46,3 +46,11 @@ def test_sharded_over_four_devices_gives_the_same_tokens(one_device):
     assert re.search(r"; 0 mismatching requests", sharded)
     digest = re.compile(r"generated tokens digest (\w+)")
     assert digest.search(sharded).group(1) == digest.search(one_device).group(1)
+
+
+def test_pool_running_dry_inside_a_device_decode_loop_preempts():
+    # Two long decodes in a 54-block pool: a device loop stalls, the host step preempts one.
+    out = run_decode("--num-prompts", "2", "--max-prompt-len", "4", "--system-prompt-len", "2",
+                     "--max-new-tokens", "60", "--num-blocks", "54", timeout=300)
+    assert re.search(r"check: \d+ logit rows of 2 requests .*; 0 mismatching requests", out)
+    assert int(re.search(r"preemptions: (\d+)", out).group(1)) >= 1
