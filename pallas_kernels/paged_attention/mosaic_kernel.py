@@ -54,7 +54,9 @@ def mosaic_kernel(
   )
 
   def fetch(j, buf):
-    block_id = block_tables_ref[req * max_blocks + j]
+    block_id = softmax.safe_block_id(
+        block_tables_ref[req * max_blocks + j], cache_hbm_ref.shape[layout.index("B")]
+    )
     src = cache_hbm_ref.at[
         cache_index(layout, b=block_id, l=layer, h=kv_head, n=slice(None), c=slice(None))
     ]

@@ -59,6 +59,15 @@ def first_visible_key(first_query_pos, cfg: AttentionConfig):
   return jnp.zeros_like(first_query_pos)
 
 
+def safe_block_id(block_id, num_blocks: int):
+  """A table entry outside [0, B) reads the null block (0) instead of memory past the cache.
+
+  The manager never writes such entries; this keeps a corrupt table from turning
+  into an out-of-bounds load (GPU) or DMA (TPU).
+  """
+  return lax.select((block_id >= 0) & (block_id < num_blocks), block_id, jnp.zeros_like(block_id))
+
+
 def block_range(first_query_pos, num_queries, cfg: AttentionConfig, max_blocks: int):
   """The blocks one query tile reads: [first_block, end_block), and the first live key.
 

@@ -53,7 +53,7 @@ def triton_kernel(
 
   def body(j, carry):
     state, blocks_read = carry
-    block_id = block_tables_ref[req, j]
+    block_id = softmax.safe_block_id(block_tables_ref[req, j], cache_ref.shape[layout.index("B")])
     at = lambda channels: cache_index(
         layout, b=block_id, l=layer, h=kv_head, n=slice(None), c=channels
     )

@@ -23,6 +23,12 @@ from pallas_kernels import _common
 from pallas_kernels._common import cache_index
 
 
+def _in_range(slot, layer, num_slots: int, num_layers: int):
+  """Whether a token's write lands in the cache: slot −1 (padding), a slot past the
+  pool or a layer outside the buffer write nothing, as in the reference."""
+  return (slot >= 0) & (slot < num_slots) & (layer >= 0) & (layer < num_layers)
+
+
 def _triton_kernel(
     # Inputs (whole arrays)
     layer_ref,  # [1] int32
@@ -34,6 +40,8 @@ def _triton_kernel(
     *,
     layout: str,
     block_size: int,
+    num_slots: int,
+    num_layers: int,
     num_heads: int,
     pieces: tuple[tuple[int, int], ...],
 ):
@@ -41,12 +49,12 @@ def _triton_kernel(
   del cache_in_ref  # Same buffer as cache_ref.
   t = pl.program_id(0)
   slot = slot_ref[t]
+  layer = layer_ref[0]
 
-  @pl.when(slot >= 0)
+  @pl.when(_in_range(slot, layer, num_slots, num_layers))
   def _write():
     block_id = slot // block_size
     offset = slot % block_size
-    layer = layer_ref[0]
     for h in range(num_heads):
       for start, size in pieces:
         channels = pl.ds(start, size)
@@ -69,6 +77,8 @@ def _mosaic_kernel(
     *,
     layout: str,
     block_size: int,
+    num_slots: int,
+    num_layers: int,
     num_tokens: int,
 ):
   """One program: a DMA per real token from its [H, C] rows to its slot,
@@ -91,14 +101,14 @@ def _mosaic_kernel(
     return pltpu.make_async_copy(rows_hbm_ref.at[t], dst, sems.at[0])
 
   def start(t, carry):
-    @pl.when(slot_ref[t] >= 0)
+    @pl.when(_in_range(slot_ref[t], layer, num_slots, num_layers))
     def _():
       copy(t).start()
 
     return carry
 
   def wait(t, carry):
-    @pl.when(slot_ref[t] >= 0)
+    @pl.when(_in_range(slot_ref[t], layer, num_slots, num_layers))
     def _():
       copy(t).wait()
 
@@ -118,6 +128,8 @@ def _paged_scatter_call(cache, new_rows, slot_mapping, layer, *, layout, backend
         _triton_kernel,
         layout=layout,
         block_size=dims["N"],
+        num_slots=dims["B"] * dims["N"],
+        num_layers=dims["L"],
         num_heads=num_heads,
         pieces=_common.power_of_2_pieces(row_width),
     )
@@ -139,7 +151,12 @@ def _paged_scatter_call(cache, new_rows, slot_mapping, layer, *, layout, backend
     )(layer, slot_mapping, new_rows, cache)
 
   kernel = functools.partial(
-      _mosaic_kernel, layout=layout, block_size=dims["N"], num_tokens=num_tokens
+      _mosaic_kernel,
+      layout=layout,
+      block_size=dims["N"],
+      num_slots=dims["B"] * dims["N"],
+      num_layers=dims["L"],
+      num_tokens=num_tokens,
   )
   return pl.pallas_call(
       kernel,
@@ -184,7 +201,9 @@ def paged_scatter(
   for MLA the latent; any dtype, uint8 included).
 
   Token t goes to block `slot_mapping[t] // N`, position `slot_mapping[t] % N`;
-  slot -1 writes nothing. Slots must be unique within a call. Prefill chunks and
+  slot -1 writes nothing, and neither does a slot past the pool (`>= B * N`) or a
+  layer outside the buffer: out-of-range writes are dropped, as in the reference,
+  never clamped onto another block. Slots must be unique within a call. Prefill chunks and
   decode tokens mix freely.
 
   `cache` is donated and aliased to the output (`input_output_aliases`), so no
@@ -199,8 +218,7 @@ def paged_scatter(
     slot_mapping: per token, its slot or -1.
     layer_idx: which layer of the buffer to write; a Python int or a traced
       scalar (e.g. inside a scan over layers), traced either way so that layers
-      share one compilation. It is not range-checked: an out-of-range value is
-      a caller bug.
+      share one compilation. Outside [0, L) nothing is written.
     backend: "triton" (GPU; also the kernel interpreted on CPU) or "mosaic"
       (TPU); None picks by `jax.default_backend()`.
     interpret: run the kernel in the Pallas interpreter; None means yes unless a

@@ -241,3 +241,20 @@ def test_reference_matches_a_plain_loop():
   )
   expected = _attention_by_loops(case, q, cache, qsl, seq_lens, tables)
   np.testing.assert_allclose(np.asarray(ref), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad_id", [10**6, -5])
+def test_table_entries_outside_the_pool_read_the_null_block(bad_id):
+  # A corrupt table must not turn into a load past the cache: such an entry reads
+  # the null block, exactly as a NULL_BLOCK entry would.
+  case = AttentionCase()
+  q, cache, qsl, seq_lens, tables = kernel_cases.build_attention_inputs(case, np.random.default_rng(3))
+  cache[0] = 0.5  # a finite null block, so the two outputs can be compared
+  bad, null = tables.copy(), tables.copy()
+  bad[0, 1], null[0, 1] = bad_id, 0
+
+  def run(t):
+    return np.asarray(paged_attention(jnp.asarray(q), jnp.asarray(cache), qsl, seq_lens, t, case.layer_idx))
+
+  np.testing.assert_array_equal(run(bad), run(null))
+  assert np.isfinite(run(null)[: case.q_lens[0]]).all()

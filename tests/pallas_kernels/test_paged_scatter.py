@@ -58,6 +58,22 @@ def test_mosaic_body_in_tpu_interpreter():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+@pytest.mark.parametrize("layer", [0, 2, -1])
+def test_out_of_range_slots_and_layers_write_nothing(backend, layer):
+  # Slots past the pool (B * N and beyond) are dropped, never clamped onto the last block;
+  # a layer outside [0, L) writes nothing at all.
+  cache, rows, slots = _cache_and_rows(np.random.default_rng(2), layout="BLHNC", dtype="float32")
+  num_slots = cache.shape[0] * cache.shape[3]
+  slots[:3] = [num_slots, num_slots + 1, num_slots + 5]
+  ref = paged_scatter_reference(jnp.asarray(cache), rows, slots, layer)
+  out = paged_scatter(jnp.asarray(cache), jnp.asarray(rows), jnp.asarray(slots), layer, backend=backend,
+                      interpret=True)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  if layer != 0:
+    np.testing.assert_array_equal(np.asarray(out), cache)
+
+
 def test_cache_is_donated_and_aliased():
   cache, rows, slots = _cache_and_rows(np.random.default_rng(2), layout="BLHNC", dtype="float32")
   cache = jnp.asarray(cache)
