@@ -247,7 +247,7 @@ def buffer_views(groups: Groups, num_blocks: int, layout: str) -> tuple[KVCacheT
     for gi, g in enumerate(groups):
         by_spec: dict[KVCacheSpec, list[str]] = {}
         for name, s in zip(g.layer_names, g.specs):
-            by_spec.setdefault(s, []).append(name)
+            by_spec.setdefault(_page_spec(s), []).append(name)
         offset = 0
         for s, names in by_spec.items():
             page = s.page_size_bytes
@@ -269,6 +269,13 @@ def buffer_views(groups: Groups, num_blocks: int, layout: str) -> tuple[KVCacheT
             )
             offset += len(names) * layer_stride
     return tuple(views)
+
+
+def _page_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The spec with what does not shape its page (a full-attention layer's window) dropped."""
+    if isinstance(spec, FullAttentionSpec):
+        return dataclasses.replace(spec, sliding_window=None, attention_chunk_size=None)
+    return spec
 
 
 def longest_max_model_len(groups: Groups, available_bytes: int, max_num_batched_tokens: int, upper: int) -> int:
@@ -313,7 +320,7 @@ def _single_group(specs: dict[str, KVCacheSpec]) -> Groups | None:
     values = list(specs.values())
     merged = _merge(values)
     if merged is not None:
-        return (KVCacheGroup(layer_names=names, spec=merged),)
+        return (_merged_group(names, values, merged),)
     if _same_blocks(values):
         return (KVCacheGroup(layer_names=names, spec=values[0], layer_specs=tuple(values)),)
     return None
@@ -372,8 +379,16 @@ def _split(buckets: list[list[str]], specs: dict[str, KVCacheSpec], group_size: 
         n = cdiv(len(names), group_size)
         for i in range(n):
             members = tuple(names[i::n])
-            groups.append(KVCacheGroup(layer_names=members, spec=_merge([specs[m] for m in members])))
+            member_specs = [specs[m] for m in members]
+            groups.append(_merged_group(members, member_specs, _merge(member_specs)))
     return tuple(groups)
+
+
+def _merged_group(names: tuple[str, ...], specs: list[KVCacheSpec], merged: KVCacheSpec) -> KVCacheGroup:
+    """A group under vLLM's merged spec that keeps each layer's own spec where they differ
+    (full-attention layers planned with hybrid=False keep their window for the model)."""
+    differ = any(s != merged for s in specs)
+    return KVCacheGroup(layer_names=names, spec=merged, layer_specs=tuple(specs) if differ else None)
 
 
 def _unify_lcm(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec] | None:

@@ -57,6 +57,11 @@ def test_full_sliding_sliding_x10():
     cfg = plan(layers, 4 * GiB, **VLLM, hybrid=False)
     assert (sizes(cfg), cfg.num_blocks, cfg.capacity_tokens) == ([30], 2184, 34_944)
     assert type(cfg.groups[0].spec) is FullAttentionSpec and cfg.groups[0].spec.sliding_window == 1024
+    # ... and each layer keeps its own: the model computes global layers without a window.
+    per_layer = dict(zip(cfg.groups[0].layer_names, cfg.groups[0].specs))
+    assert all(type(s) is FullAttentionSpec for s in per_layer.values())
+    assert [per_layer[n].sliding_window for n in ("f0", "s0a", "s0b")] == [None, 1024, 1024]
+    assert len(cfg.tensors) == 1  # one view: the window does not shape the page
 
 
 def test_13_full_then_12_sliding():
