@@ -36,7 +36,7 @@ def dtype_bytes(dtype: str) -> int:
 
 def _check_positive(**values) -> None:
     for name, value in values.items():
-        if not isinstance(value, (int, np.integer)) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
@@ -197,6 +197,8 @@ class MambaSpec:
         dtypes = tuple(_dtype_name(d) for d in self.dtypes)
         if not shapes or len(shapes) != len(dtypes):
             raise ValueError(f"MambaSpec needs one dtype per state shape: {shapes=}, {dtypes=}")
+        if any(d <= 0 for shape in shapes for d in shape):
+            raise ValueError(f"MambaSpec state shapes must have positive sizes, got {shapes=}")
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:

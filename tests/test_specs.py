@@ -63,6 +63,7 @@ def test_specs_are_frozen_hashable_keyword_only_and_distinct():
     "kwargs, match",
     [
         ({**ATTN, "block_size": 0}, "block_size=0"),
+        ({**ATTN, "block_size": True}, "block_size=True"),
         ({**ATTN, "num_kv_heads": -1}, "num_kv_heads=-1"),
         ({**ATTN, "dtype": "not-a-dtype"}, "is not a dtype"),
         ({**ATTN, "sliding_window": 1, "attention_chunk_size": 2}, "not both"),
@@ -76,6 +77,8 @@ def test_bad_spec_values_name_the_value(kwargs, match):
 def test_mamba_needs_one_dtype_per_shape():
     with pytest.raises(ValueError, match="one dtype per state shape"):
         MambaSpec(block_size=16, shapes=((2, 3),), dtypes=("float32", "float32"))
+    with pytest.raises(ValueError, match="positive sizes"):
+        MambaSpec(block_size=16, shapes=((2, 0),), dtypes=("float32",))
 
 
 def test_blocks_per_request_rules():
