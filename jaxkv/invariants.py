@@ -1,4 +1,5 @@
-"""Debug invariant checker for ManagerState (DESIGN.md invariants 1 and 2, and the table shape rules).
+"""Debug invariant checker for ManagerState (DESIGN.md invariants 1 and 2, the table shape rules, and
+the prefix-cache index).
 
 Runs on the host (numpy) after any transition; tests call it after every step,
 and `KVCacheManager(..., debug_checks=True)` after every call. Invariant 5
@@ -15,6 +16,8 @@ import numpy as np
 
 from jaxkv.config import KVCacheConfig
 from jaxkv.pool import NOT_CACHED, PoolState
+from jaxkv.prefix_cache import check_index
+from jaxkv.prefix_state import PrefixCacheConfig, check_prefix_config
 from jaxkv.specs import NULL_BLOCK, cdiv
 from jaxkv.state import MAMBA, ManagerState, group_rules
 
@@ -58,8 +61,9 @@ def check_pool(pool: PoolState) -> np.ndarray:
     return free
 
 
-def check_invariants(cfg: KVCacheConfig, state: ManagerState) -> None:
-    """Raises InvariantError naming the first broken invariant."""
+def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCacheConfig | None = None) -> None:
+    """Raises InvariantError naming the first broken invariant (`prefix`: the state's prefix-cache
+    config, default `PrefixCacheConfig.for_config(cfg)`)."""
     state = jax.device_get(state)
     pool = state.pool
     rules = group_rules(cfg)
@@ -112,3 +116,52 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState) -> None:
              f"num_blocks − 1 = {num_blocks - 1}")
 
     _require((np.asarray(pool.block_group) < num_groups).all(), "block_group names a group that does not exist")
+    if state.prefix is not None:
+        _check_prefix(state, rules, check_prefix_config(cfg, state.prefix, prefix).unit)
+
+
+def _check_prefix(state: ManagerState, rules, unit: int) -> None:
+    """The index against the pool and the tables.
+
+    Every entry points to a block cached (pool.block_group / block_hash) under that key and
+    group, and every cached block has an entry; a cached block in a live table sits where
+    the request's own key names it (no block in use is findable under a different hash) and
+    all its tokens were scheduled; cache progress stays within the scheduled blocks.
+    """
+    prefix, pool = state.prefix, state.pool
+    try:
+        by_block = check_index(prefix.index)
+    except AssertionError as e:
+        raise InvariantError(f"prefix-cache index: {e}") from None
+    group = np.asarray(pool.block_group)
+    block_hash = np.asarray(pool.block_hash)
+    cached = set(np.flatnonzero(group != NOT_CACHED).tolist())
+    _require(cached == set(by_block), f"cached blocks without an index entry: {sorted(cached - set(by_block))[:8]}, "
+                                      f"indexed blocks not marked cached: {sorted(set(by_block) - cached)[:8]}")
+    for block, (key, g) in by_block.items():
+        _require(group[block] == g and tuple(block_hash[block].tolist()) == key,
+                 f"block {block} is indexed under group {g} key {key}, the pool says group {group[block]} "
+                 f"key {tuple(block_hash[block].tolist())}")
+    tables = np.asarray(state.block_tables)
+    num_computed = np.asarray(state.num_computed)
+    req_hashes = np.asarray(prefix.req_hashes)
+    num_hashed = np.asarray(prefix.num_hashed_units)
+    num_cached = np.asarray(prefix.num_cached_blocks)
+    for g in range(tables.shape[0]):
+        bs = int(rules.block_size[g])
+        for s in np.flatnonzero(num_computed).tolist():
+            n = int(num_computed[s])
+            _require(num_cached[g, s] <= n // bs,
+                     f"slot {s} group {g}: cache progress {num_cached[g, s]} past its {n // bs} full blocks")
+            for j in np.flatnonzero(tables[g, s]).tolist():
+                block = int(tables[g, s, j])
+                if group[block] == NOT_CACHED:
+                    continue
+                _require(group[block] == g, f"slot {s} group {g} holds block {block}, cached for group {group[block]}")
+                _require((j + 1) * bs <= n, f"slot {s} group {g}: block {block} at index {j} is cached before all "
+                                            f"its tokens were scheduled ({n} computed)")
+                key_unit = (j + 1) * bs // unit - 1
+                if key_unit < num_hashed[s]:
+                    _require(tuple(req_hashes[s, key_unit].tolist()) == by_block[block][0],
+                             f"slot {s} group {g} holds block {block} at index {j}, cached under another "
+                             f"prefix's key")

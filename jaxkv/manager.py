@@ -14,10 +14,18 @@ Fast path:
 * `free` only records the slots; the next allocation frees them first, in the
   same dispatch (anything that reads the device state flushes them first), so a
   serving step is one dispatch and one small transfer back (ok flags, free count).
+
+Prefix caching (on by default): `add_request` and `append_token_ids` hash the
+request's full units on the host (`jaxkv.hashing.UnitHasher`: chained SHA-256,
+the cache salt in the first unit); the keys ride to the device with the next
+allocation (`prefix_state.store_hashes`), which caches every block whose tokens
+it schedules. `get_computed_tokens` sends the request's keys with the lookup
+(one dispatch, nothing changes on the device).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Hashable, Sequence
 
@@ -27,38 +35,62 @@ import numpy as np
 
 from jaxkv import state as st
 from jaxkv.config import KVCacheConfig
+from jaxkv.hashing import HashMode, UnitHasher
 from jaxkv.invariants import check_invariants
+from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig, store_hashes
 from jaxkv.specs import cdiv
 
+PREFIX_STATS = ("lookups", "lookup_tokens", "hit_tokens", "reconciliation_miss_tokens", "claimed_hit_tokens")
 FREE_ROWS = 8  # pending frees carried by one allocation; more are flushed in their own dispatch
 SMALL_ROWS = 8  # batches are padded to this many rows, or to max_num_seqs
+UPLOAD_ROWS = 1024  # unit keys carried by one allocation; more are stored in their own dispatch
+_MIN_KEY_WIDTH = 64  # lookups pass keys padded to 64, 256, 1024, ... units
 
 
-def _allocate_packed(state, rows, free_slots, *, cfg):
-    """`st._allocate` with the row arrays packed as int32[3, R] (slots, new tokens, full tokens) and the
-    result packed as int32[R + 1] (ok flags, then num_free_blocks): one argument and one transfer
-    instead of several."""
-    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, cfg=cfg)
-    return state, jnp.concatenate([result.ok.astype(jnp.int32), result.num_free_blocks[None]])
+def _allocate_packed(state, rows, free_slots, uploads, *, cfg, prefix):
+    """`st._allocate` with the row arrays packed as int32[4, R] (slots, new tokens, full tokens, hit tokens)
+    and the result packed as int32[R + 2] (ok flags, num_free_blocks, hit tokens claimed): one argument and
+    one transfer instead of several."""
+    hits = None if prefix is None else rows[3]
+    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, hits, uploads, cfg=cfg,
+                                 prefix=prefix)
+    return state, jnp.concatenate([result.ok.astype(jnp.int32), result.num_free_blocks[None],
+                                   result.num_hit_tokens[None]])
+
+
+def _lookup_packed(state, keys, rows, *, cfg, prefix):
+    """`st._lookup` with rows packed as int32[2, R] (keys given, tokens); result int32[R + 4] (hits, then
+    the stats: lookups, tokens, hit tokens, reconciliation misses)."""
+    hits, stats = st._lookup(state, keys, rows[0], rows[1], cfg=cfg, prefix=prefix)
+    return jnp.concatenate([hits, jnp.stack([stats.num_lookups, stats.num_lookup_tokens, stats.num_hit_tokens,
+                                             stats.num_reconciliation_miss_tokens])])
+
+
+def _store_hashes(state, uploads):
+    return dataclasses.replace(state, prefix=store_hashes(state.prefix, uploads))
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(cfg: KVCacheConfig):
+def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
     """The transitions with `cfg` bound (not hashed per call), shared by managers of one config."""
-    allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg), donate_argnames=("state",))
-    free = jax.jit(functools.partial(st._free, cfg=cfg), donate_argnames=("state",))
-    return allocate, free
+    allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg, prefix=prefix), donate_argnames=("state",))
+    free = jax.jit(functools.partial(st._free, cfg=cfg, prefix=prefix), donate_argnames=("state",))
+    lookup = jax.jit(functools.partial(_lookup_packed, cfg=cfg, prefix=prefix))
+    store = jax.jit(_store_hashes, donate_argnames=("state",))
+    return allocate, free, lookup, store
 
 
 class KVCacheManager:
     """Host facade: request ids in, block ids and ok flags out (see DESIGN.md "Public API").
 
     `debug_checks=True` runs `jaxkv.invariants.check_invariants` after every
-    transition (slow; for tests and debugging).
+    transition (slow; for tests and debugging). `prefix_match_unit`: tokens per
+    hash unit (default: the gcd of the groups' block sizes; it must divide each
+    of them). `hash_mode="vllm"` hashes units exactly as vLLM does.
     """
 
     def __init__(self, cfg: KVCacheConfig, max_num_seqs: int = 256, enable_prefix_caching: bool = True, *,
-                 debug_checks: bool = False):
+                 debug_checks: bool = False, prefix_match_unit: int | None = None, hash_mode: HashMode = "jaxkv"):
         if not isinstance(cfg, KVCacheConfig):
             raise TypeError(f"cfg must be a KVCacheConfig (from jaxkv.plan), got {type(cfg).__name__}")
         if int(max_num_seqs) <= 0:
@@ -66,9 +98,21 @@ class KVCacheManager:
         self.cfg = cfg
         self.max_num_seqs = int(max_num_seqs)
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        if prefix_match_unit is not None and not self.enable_prefix_caching:
+            raise ValueError(f"{prefix_match_unit=} given, but prefix caching is off")
         self.debug_checks = debug_checks
-        self._state = st.init_state(cfg, self.max_num_seqs)
-        self._allocate_fn, self._free_fn = _jitted(cfg)
+        self.prefix_config = PrefixCacheConfig.for_config(cfg, prefix_match_unit) if self.enable_prefix_caching \
+            else None
+        self.hash_mode = hash_mode
+        self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
+        self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn = _jitted(cfg, self.prefix_config)
+        self._hashers: list[UnitHasher | None] = [None] * self.max_num_seqs
+        self._keys: list[np.ndarray | None] = [None] * self.max_num_seqs  # uint32[units, 4] per slot
+        self._uploads: list[tuple[int, int]] = []  # (slot, first unit) of keys not on the device yet
+        self._num_uploaded = np.zeros(self.max_num_seqs, np.int64)  # units of each slot on the device
+        self._num_uploads = 0
+        self.prefix_stats = dict.fromkeys(PREFIX_STATS, 0)
+        self._has_state_groups = any(g.kind == "mamba" for g in cfg.groups)
         self._block_sizes = tuple(g.block_size for g in cfg.groups)
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))  # pop() gives the lowest slot
@@ -100,14 +144,42 @@ class KVCacheManager:
         self._token_ids[slot] = token_ids
         self._num_tokens[slot] = len(token_ids)
         self._num_computed[slot] = 0
+        if self.prefix_config is not None:
+            hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
+            self._hashers[slot] = hasher
+            self._keys[slot] = hasher.extend(token_ids)
+            self._queue_upload(slot, 0, len(self._keys[slot]))
 
     def get_computed_tokens(self, request_id: Hashable) -> int:
-        """Tokens of the prompt found in the prefix cache; changes nothing.
+        """Tokens of the request found in the prefix cache, valid for every group; changes nothing.
 
-        Prefix caching is not built yet (issue 4): always 0.
+        At most `num_tokens − 1` (the last token is always recomputed); 0 without prefix caching.
         """
-        self._slot(request_id)
-        return 0
+        return int(self.get_computed_tokens_batch([request_id])[0])
+
+    def get_computed_tokens_batch(self, request_ids: Sequence[Hashable]) -> np.ndarray:
+        """`get_computed_tokens` for many requests, in one dispatch: int64[R]."""
+        slots = self._slots(request_ids)
+        if self.prefix_config is None or not len(slots):
+            return np.zeros(len(slots), np.int64)
+        if self._has_state_groups:
+            self._flush_frees()  # a freed request's last state block becomes findable as it is freed
+        num_units = [len(self._keys[s]) for s in slots.tolist()]
+        width = _MIN_KEY_WIDTH
+        while width < max(num_units):
+            width *= 4
+        width = min(width, self.prefix_config.num_units(self.cfg))
+        num_rows = self._num_rows(len(slots))
+        keys = np.zeros((num_rows, width, 4), np.uint32)
+        rows = np.zeros((2, num_rows), np.int32)
+        for i, s in enumerate(slots.tolist()):
+            keys[i, : num_units[i]] = self._keys[s]
+        rows[0, : len(slots)] = num_units
+        rows[1, : len(slots)] = self._num_tokens[slots]
+        packed = np.asarray(self._lookup_fn(self._state, keys, rows))
+        for name, value in zip(PREFIX_STATS[:4], packed[num_rows:].tolist()):
+            self.prefix_stats[name] += value
+        return packed[: len(slots)].astype(np.int64)
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
         """Records tokens the model produced for the request."""
@@ -119,6 +191,12 @@ class KVCacheManager:
                              f"max_model_len={self.cfg.max_model_len}")
         self._token_ids[slot].extend(new_token_ids)
         self._num_tokens[slot] = num_tokens
+        if self.prefix_config is not None:
+            new_keys = self._hashers[slot].extend(new_token_ids)
+            if len(new_keys):
+                first = len(self._keys[slot])
+                self._keys[slot] = np.concatenate([self._keys[slot], new_keys])
+                self._queue_upload(slot, first, len(new_keys))
 
     def num_tokens(self, request_id: Hashable) -> int:
         """Prompt plus appended tokens of the request."""
@@ -132,9 +210,10 @@ class KVCacheManager:
     def allocate_slots(self, request_id: Hashable, num_new_tokens: int, num_new_computed_tokens: int = 0) -> bool:
         """Makes room for `num_new_tokens` more tokens; False (nothing changed) if they do not fit.
 
-        Claims the `num_new_computed_tokens` prefix-cache hit tokens first (0 until
-        prefix caching lands, issue 4). Releases blocks that sliding-window,
-        chunked and state groups no longer need, even when it fails.
+        Claims the `num_new_computed_tokens` prefix-cache hit tokens first (the value
+        `get_computed_tokens` just returned, on the request's first call; False if the
+        hit is no longer in the cache). Releases blocks that sliding-window, chunked and
+        state groups no longer need, even when it fails.
         """
         return bool(self.allocate_slots_batch([request_id], [num_new_tokens], [num_new_computed_tokens])[0])
 
@@ -152,23 +231,27 @@ class KVCacheManager:
         """
         slots = self._slots(request_ids)
         num_rows = self._num_rows(len(slots))
-        rows = np.zeros((3, num_rows), np.int64)  # slots, new tokens, full tokens (padding: slot S, 0, 0)
+        # slots, new tokens, full tokens, hit tokens (padding: slot S, 0, 0, 0)
+        rows = np.zeros((4, num_rows), np.int64)
         rows[0] = self.max_num_seqs
         rows[0, : len(slots)] = slots
         num_new = rows[1, : len(slots)]
         num_new[:] = self._counts(request_ids, num_new_tokens, "num_new_tokens")
-        if num_new_computed_tokens is not None and any(num_new_computed_tokens):
-            hits = self._counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
-            i = int(np.flatnonzero(hits)[0])
-            raise ValueError(f"num_new_computed_tokens={hits[i]} for request {request_ids[i]!r}: it must be 0 "
-                             "or the value get_computed_tokens just returned (0: prefix caching is issue 4)")
         num_computed = self._num_computed[slots]
         num_tokens = self._num_tokens[slots]
-        over = num_computed + num_new > num_tokens
+        hits = rows[3, : len(slots)]
+        if num_new_computed_tokens is not None and any(num_new_computed_tokens):
+            hits[:] = self._counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
+            bad = (hits > 0) & ((num_computed > 0) | (hits >= num_tokens) | (self.prefix_config is None))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"num_new_computed_tokens={hits[i]} for request {request_ids[i]!r}: it must be 0 "
+                                 "or the value get_computed_tokens just returned, on the request's first call")
+        over = num_computed + hits + num_new > num_tokens
         if over.any():
             i = int(np.flatnonzero(over)[0])
             raise ValueError(f"request {request_ids[i]!r} has {num_tokens[i]} tokens, "
-                             f"{num_computed[i]} computed: it cannot schedule {num_new[i]} more; "
+                             f"{num_computed[i] + hits[i]} computed: it cannot schedule {num_new[i]} more; "
                              "append the tokens first (append_token_ids)")
         if isinstance(full_sequence_must_fit, (bool, np.bool_)):
             if full_sequence_must_fit:
@@ -185,13 +268,20 @@ class KVCacheManager:
         if self._pending_free:
             free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)
             free_slots[: len(self._pending_free)] = self._pending_free
+        uploads = None
+        if self.prefix_config is not None:
+            if self._num_uploads > UPLOAD_ROWS:
+                self._flush_uploads()
+                free_slots = None
+            uploads = self._take_uploads(UPLOAD_ROWS)
         rows = rows.astype(np.int32)
-        self._state, packed = self._allocate_fn(self._state, rows, free_slots)
+        self._state, packed = self._allocate_fn(self._state, rows, free_slots, uploads)
         self._pending_free.clear()
         packed = np.asarray(packed)
         ok = packed[: len(slots)] != 0
-        self._num_free_blocks = int(packed[-1])
-        self._num_computed[slots[ok]] += rows[1, : len(slots)][ok]
+        self._num_free_blocks = int(packed[num_rows])
+        self.prefix_stats["claimed_hit_tokens"] += int(packed[num_rows + 1])
+        self._num_computed[slots[ok]] += (rows[1, : len(slots)] + rows[3, : len(slots)])[ok]
         self._check()
         return ok
 
@@ -206,15 +296,22 @@ class KVCacheManager:
         The device work rides on the next allocation's dispatch (or the next read).
         """
         slots = self._slots(request_ids)
-        holding = slots[self._num_computed[slots] > 0]  # requests with nothing computed hold no block
+        # Requests with nothing computed hold no block; their keys on the device must go too.
+        holding = slots[(self._num_computed[slots] > 0) | (self._num_uploaded[slots] > 0)]
         if holding.size:
             self._pending_free.extend(holding.tolist())
             self._num_free_blocks = None  # known again after the next dispatch
         for request_id, slot in zip(request_ids, slots.tolist()):
             del self._slot_of[request_id]
             self._token_ids[slot] = None
+            self._hashers[slot] = self._keys[slot] = None
+        if self._uploads:  # keys not on the device yet of a freed request: never needed
+            freed = set(slots.tolist())
+            self._uploads = [(s, first) for s, first in self._uploads if s not in freed]
+            self._num_uploads = sum(len(self._keys[s]) - first for s, first in self._uploads)
         self._num_tokens[slots] = 0
         self._num_computed[slots] = 0
+        self._num_uploaded[slots] = 0
         self._free_slots.extend(slots.tolist())
         if self.debug_checks:
             self._flush_frees()
@@ -251,9 +348,48 @@ class KVCacheManager:
 
     @property
     def state(self) -> st.ManagerState:
-        """The device state (for composing the pure functions of `jaxkv.state` in a jitted step)."""
+        """The device state (for composing the pure functions of `jaxkv.state` in a jitted step).
+
+        Pending frees and unit keys are applied first. Pass `prefix=mgr.prefix_config` to the
+        transitions.
+        """
         self._flush_frees()
+        self._flush_uploads()
         return self._state
+
+    # ---- prefix-cache keys -----------------------------------------------------------------
+    def _queue_upload(self, slot: int, first: int, num: int) -> None:
+        if num:
+            self._uploads.append((slot, first))
+            self._num_uploads += num
+
+    def _take_uploads(self, num_rows: int) -> np.ndarray:
+        """uint32[num_rows, 6]: the pending keys (at most num_rows), padded with slot S; clears them."""
+        out = np.zeros((num_rows, UPLOAD_WORDS), np.uint32)
+        out[:, 0] = self.max_num_seqs
+        row = 0
+        for slot, first in self._uploads:
+            keys = self._keys[slot][first:]
+            out[row: row + len(keys), 0] = slot
+            out[row: row + len(keys), 1] = np.arange(first, first + len(keys))
+            out[row: row + len(keys), 2:] = keys
+            row += len(keys)
+            self._num_uploaded[slot] = len(self._keys[slot])
+        self._uploads.clear()
+        self._num_uploads = 0
+        return out
+
+    def _flush_uploads(self) -> None:
+        """Stores the pending keys on the device now (one dispatch; pending frees go first: a freed
+        slot may hold a new request)."""
+        if not self._uploads:
+            return
+        self._flush_frees()
+        width = _MIN_KEY_WIDTH
+        while width < self._num_uploads:
+            width *= 4
+        self._state = self._store_fn(self._state, self._take_uploads(width))
+        self._check()
 
     def take_state(self) -> st.ManagerState:
         """Hands the device state to a jitted loop that donates it (e.g. on-device decode steps).
@@ -335,16 +471,20 @@ class KVCacheManager:
 
     def warm_up(self) -> None:
         """Compiles every shape the manager dispatches (calls that change nothing), so that no
-        step of a serving loop waits for a compilation."""
+        step of a serving loop waits for a compilation. Lookups compile per key width on first use."""
+        uploads = None
+        if self.prefix_config is not None:
+            uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
+            uploads[:, 0] = self.max_num_seqs  # padding only
         for num_rows in sorted({self._num_rows(1), self.max_num_seqs}):
-            rows = np.zeros((3, num_rows), np.int32)
+            rows = np.zeros((4, num_rows), np.int32)
             rows[0] = self.max_num_seqs  # padding rows only
             for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
-                self._state, _ = self._allocate_fn(self._state, rows, free_slots)
+                self._state, _ = self._allocate_fn(self._state, rows, free_slots, uploads)
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
             self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
 
     def _check(self) -> None:
         if self.debug_checks:
-            check_invariants(self.cfg, self._state)
+            check_invariants(self.cfg, self._state, self.prefix_config)
 

@@ -280,6 +280,49 @@ def touch(pool: PoolState, blocks, valid) -> PoolState:
     )
 
 
+def claim(pool: PoolState, blocks, valid) -> tuple[PoolState, jax.Array]:
+    """`touch` that also says which entries took a free block: (pool, was_free bool[F]).
+
+    An entry takes a free block when the block's count was 0 and no earlier entry of
+    `blocks` int32[F] (`valid` bool[F]) took it. No O(N) scratch: the entries that find
+    count 0 write `entry − F` (negative, smallest for the earliest) into the counts
+    with a scatter-min, read it back, then reset it before adding the references.
+    """
+    num_pool_blocks, num_entries = pool.ref_cnt.shape[0], blocks.shape[0]
+    code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries
+    safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
+    finds_free = valid & (pool.ref_cnt[safe_blocks] == 0) & (safe_blocks != NULL_BLOCK)
+    free_idx = jnp.where(finds_free, blocks, num_pool_blocks)
+    ref_cnt = pool.ref_cnt.at[free_idx].min(code, mode="drop")
+    was_free = finds_free & (ref_cnt[safe_blocks] == code)
+    ref_cnt = ref_cnt.at[free_idx].set(0, mode="drop")
+    ref_cnt = ref_cnt.at[jnp.where(valid, blocks, num_pool_blocks)].add(1, mode="drop")
+    pool = dataclasses.replace(pool, ref_cnt=ref_cnt,
+                               num_free_blocks=pool.num_free_blocks - jnp.sum(was_free, dtype=jnp.int32))
+    return pool, was_free
+
+
+def unclaim(pool: PoolState, blocks, valid) -> PoolState:
+    """Undoes `claim` of the valid entries of `blocks` int32[F] in the same transition.
+
+    Drops one reference per entry; a block back at count 0 is free again at its old
+    place in the free order: `claim` left its ring entry in place (stale), and
+    nothing may have changed the ring since (no release, pop or compaction between
+    the two calls).
+    """
+    num_pool_blocks, num_entries = pool.ref_cnt.shape[0], blocks.shape[0]
+    code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries
+    safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
+    ref_cnt = pool.ref_cnt.at[jnp.where(valid, blocks, num_pool_blocks)].add(-1, mode="drop")
+    now_free = valid & (ref_cnt[safe_blocks] == 0)
+    free_idx = jnp.where(now_free, blocks, num_pool_blocks)
+    ref_cnt = ref_cnt.at[free_idx].min(code, mode="drop")
+    first = now_free & (ref_cnt[safe_blocks] == code)
+    ref_cnt = ref_cnt.at[free_idx].set(0, mode="drop")
+    return dataclasses.replace(pool, ref_cnt=ref_cnt,
+                               num_free_blocks=pool.num_free_blocks + jnp.sum(first, dtype=jnp.int32))
+
+
 def mark_cached(pool: PoolState, blocks, block_hash, group_idx, valid) -> PoolState:
     """Marks the valid `blocks` int32[F] as cached under `block_hash` uint32[F, 4] for `group_idx` int32[F]."""
     idx = jnp.where(valid, blocks, pool.ref_cnt.shape[0])

@@ -36,7 +36,9 @@ import numpy as np
 from jax import lax
 
 from jaxkv.config import KVCacheConfig
+from jaxkv import prefix_state as ps
 from jaxkv.pool import PoolState, cumsum, init_pool, pop, release
+from jaxkv.prefix_cache import remove
 from jaxkv.ranges import in_chunks as _in_chunks
 from jaxkv.ranges import range_chunk as _range_chunk
 from jaxkv.ranges import range_layout as _range_layout
@@ -55,12 +57,14 @@ class ManagerState:
     block_tables:   int32[G, S, M] physical block per group, slot, logical block index
     first_live_idx: int32[G, S]   logical index below which the table holds NULL_BLOCK
     num_computed:   int32[S]      tokens given slots so far, this step's included (0: slot unused)
+    prefix:         PrefixState or None (prefix caching off): index, unit keys, cache progress
     """
 
     pool: PoolState
     block_tables: jax.Array
     first_live_idx: jax.Array
     num_computed: jax.Array
+    prefix: ps.PrefixState | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -70,13 +74,16 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class AllocateResult:
-    """ok: bool[R] (padding rows False); num_free_blocks: int32[] after the call."""
+    """ok: bool[R] (padding rows False); num_free_blocks: int32[] after the call;
+    num_hit_tokens: int32[] prefix-cache hit tokens the ok rows claimed."""
 
     ok: jax.Array
     num_free_blocks: jax.Array
+    num_hit_tokens: jax.Array
 
 
-jax.tree_util.register_dataclass(AllocateResult, data_fields=["ok", "num_free_blocks"], meta_fields=[])
+jax.tree_util.register_dataclass(AllocateResult, data_fields=["ok", "num_free_blocks", "num_hit_tokens"],
+                                 meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +139,9 @@ def default_chunk_sizes(cfg: KVCacheConfig, num_requests: int) -> tuple[int, ...
     return tuple(reversed(sizes))
 
 
-def init_state(cfg: KVCacheConfig, max_num_seqs: int) -> ManagerState:
-    """Every block free, every slot empty."""
+def init_state(cfg: KVCacheConfig, max_num_seqs: int, prefix: ps.PrefixCacheConfig | None = None) -> ManagerState:
+    """Every block free, every slot empty; with `prefix`, an empty prefix cache (pass the same
+    `prefix` to the transitions)."""
     if not cfg.groups:
         raise ValueError("the config has no KV cache groups")
     if max_num_seqs <= 0:
@@ -144,6 +152,7 @@ def init_state(cfg: KVCacheConfig, max_num_seqs: int) -> ManagerState:
         block_tables=jnp.full(shape, NULL_BLOCK, jnp.int32),
         first_live_idx=jnp.zeros(shape[:2], jnp.int32),
         num_computed=jnp.zeros(max_num_seqs, jnp.int32),
+        prefix=None if prefix is None else ps.init_prefix_state(cfg, prefix, max_num_seqs),
     )
 
 
@@ -233,7 +242,10 @@ def _release_ranges(state: ManagerState, ranges, chunk_sizes) -> ManagerState:
 
 
 def _fill_ranges(state: ManagerState, ranges, chunk_sizes) -> ManagerState:
-    """Gives the table entries of `ranges` (from `_table_ranges`, step 1) new blocks, in order."""
+    """Gives the table entries of `ranges` (from `_table_ranges`, step 1) new blocks, in order.
+
+    A popped block that was cached is evicted: its index entry goes in the same step.
+    """
     count, first, _ = ranges
     shape = state.block_tables.shape
     out_of_range = shape[0] * shape[1] * shape[2]
@@ -246,7 +258,10 @@ def _fill_ranges(state: ManagerState, ranges, chunk_sizes) -> ManagerState:
             pool, blocks = pop(state.pool, jnp.minimum(size, total - chunk_idx * size), size)
             idx = jnp.where(in_range, first[range_id] + offset, out_of_range)
             tables = state.block_tables.reshape(-1).at[idx].set(blocks, mode="drop").reshape(shape)
-            return dataclasses.replace(state, pool=pool, block_tables=tables)
+            prefix = state.prefix
+            if prefix is not None:
+                prefix = dataclasses.replace(prefix, index=remove(prefix.index, blocks, blocks != NULL_BLOCK))
+            return dataclasses.replace(state, pool=pool, block_tables=tables, prefix=prefix)
 
         return fill_chunk
 
@@ -286,8 +301,10 @@ def _forget_rows(state: ManagerState, req_slots, rules: GroupRules):
     return state, ranges, num_blocks
 
 
-def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None, *,
-              cfg: KVCacheConfig, chunk_sizes: tuple[int, ...] | None = None) -> tuple[ManagerState, AllocateResult]:
+def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None,
+              num_hit_tokens=None, hash_uploads=None, *, cfg: KVCacheConfig,
+              chunk_sizes: tuple[int, ...] | None = None,
+              prefix: ps.PrefixCacheConfig | None = None) -> tuple[ManagerState, AllocateResult]:
     """Makes room for `num_new_tokens` more tokens of each request, in priority order.
 
     req_slots:       int32[R] distinct slots; S (= max_num_seqs) marks a padding row
@@ -297,6 +314,10 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
                      `full_sequence_must_fit`
     free_slots:      int32[F] or None; requests to free first (as `free`), saving a
                      dispatch; S marks padding
+    num_hit_tokens:  int32[R] or None (prefix caching): prefix-cache hit tokens to claim
+                     first, on a request's first call (see `_allocate_cached`)
+    hash_uploads:    uint32[X, 6] or None (prefix caching): unit keys to store first
+                     (`prefix_state.store_hashes`; after the frees)
 
     Rows are handled as vLLM handles requests one after another (same outcome, one pass):
     1. the freed requests release their blocks;
@@ -311,11 +332,20 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     reuse a block a later row released; counts and outcomes are the sequential ones.
     `chunk_sizes` (static): how many table entries one loop step may handle; each
     loop takes the smallest that covers its total (default `default_chunk_sizes`).
-    Any choice is correct. Returns the state and an AllocateResult. Jitted as
-    `allocate` (config and chunk sizes static, state donated).
+    Any choice is correct. With prefix caching (`state.prefix`; `prefix` static, default
+    `PrefixCacheConfig.for_config(cfg)`) see `_allocate_cached`. Returns the state and an
+    AllocateResult. Jitted as `allocate` (config, chunk sizes and prefix config static,
+    state donated).
     """
     rules = group_rules(cfg)
     sizes = chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0])
+    if state.prefix is not None:
+        prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
+        return _allocate_cached(state, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
+                                hash_uploads, rules=rules, prefix=prefix, sizes=sizes)
+    if num_hit_tokens is not None or hash_uploads is not None:
+        raise ValueError("num_hit_tokens / hash_uploads given, but the state has no prefix cache; "
+                         "make it with init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))")
     shape = state.block_tables.shape
     num_free = state.pool.num_free_blocks
     if free_slots is not None:
@@ -368,20 +398,142 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     num_slots = state.num_computed.shape[0]
     num_computed = state.num_computed.at[jnp.where(ok, slots, num_slots)].set((n + k)[:, 0], mode="drop")
     state = dataclasses.replace(state, num_computed=num_computed)
-    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks)
+    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=jnp.int32(0))
 
 
-def _free(state: ManagerState, req_slots, *, cfg: KVCacheConfig,
-          chunk_sizes: tuple[int, ...] | None = None) -> ManagerState:
+def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
+                     hash_uploads, *, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes: tuple[int, ...]):
+    """`_allocate` with a prefix cache: vLLM's row-by-row outcome, with hits claimed first.
+
+    1. The freed requests release their blocks (the exact free count follows); uploaded
+       keys are stored; state blocks that the rows' last step ended on become findable.
+    2. Claims: each row with h = num_hit_tokens > 0 (a request's first call) takes, per
+       group, the blocks its rule needs at h (`prefix_state.claim_hits`), tentatively,
+       in row order: references up, out of the free order, before any row takes a new
+       block (so no row can be handed a block another row claims). The claim is valid
+       only if every block is still cached under the request's keys, h is a multiple of
+       every group's block size and its keys are uploaded; otherwise the row fails (no
+       stale or partial hit is ever claimed). A valid claim counts as h computed tokens.
+    3. Rows in order as in `_allocate`, a row taking its new blocks plus its claimed
+       blocks that were free (each counted once); its release counts as freeing the
+       blocks it holds alone (count 1 after the claims: a lower bound, exact unless two
+       rows release one shared block). Rows after the first failure fail; the claims of
+       failed rows are given back exactly (`prefix_state.unclaim_hits`).
+    4. Releases, then new blocks (a popped cached block is evicted from the index in the
+       same step), then every attention block whose tokens are now all scheduled and
+       whose key is known is indexed (`prefix_state.cache_full_blocks`).
+    """
+    shape = state.block_tables.shape
+    num_groups, num_slots, max_blocks = shape
+    state_groups = tuple(int(g) for g in np.flatnonzero(rules.kind == MAMBA))
+    if free_slots is not None:
+        state = _free_cached(state, free_slots, rules, prefix, sizes)
+    if hash_uploads is not None:
+        state = dataclasses.replace(state, prefix=ps.store_hashes(state.prefix, hash_uploads))
+    row, slots, scatter_slots = _rows(state, req_slots)
+    n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
+    k = jnp.where(row, num_new_tokens, 0)[:, None]
+    state = ps.cache_state_blocks(state, scatter_slots, n[:, 0], state_groups=state_groups, rules=rules,
+                                  prefix=prefix)
+    num_free = state.pool.num_free_blocks
+
+    # 2. Claims.
+    hashed_len = state.prefix.num_hashed_units[slots] * prefix.unit
+    if num_hit_tokens is None:
+        hit = hit_ok = jnp.zeros_like(row)
+        hit_len = jnp.zeros_like(n)
+    else:
+        hit = row & (num_hit_tokens > 0)
+        h = jnp.where(hit, num_hit_tokens, 0)[:, None]
+        hit_ok = hit & (n[:, 0] == 0) & jnp.all(h % rules.block_size == 0, axis=1) & (h[:, 0] <= hashed_len)
+        hit_len = jnp.where(hit_ok[:, None], h, 0)
+    hit_blocks = hit_len // rules.block_size  # [R, G]
+    claim_start = keep_from_idx(hit_len, rules)
+    claim_count = jnp.where(hit_ok[:, None], hit_blocks - claim_start, 0)
+    num_taken_free = jnp.zeros_like(n[:, 0])
+    if num_hit_tokens is not None:
+        state, num_found, num_taken_free = ps.claim_hits(state, slots, claim_start, claim_count, rules=rules,
+                                                         prefix=prefix, chunk_sizes=sizes)
+        hit_ok = hit_ok & (num_found == jnp.sum(claim_count, axis=1))
+    n = jnp.where(hit_ok[:, None], hit_len, n)
+    first_live = jnp.where(hit_ok[:, None], claim_start, state.first_live_idx[:, slots].T)  # [R, G]
+    keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
+
+    # 3. The rows in order.
+    num_released = jnp.where(row[:, None], num_released, 0)
+    num_freed = ps.count_sole_holders(state, slots, first_live, num_released, chunk_sizes=sizes)
+    num_take = jnp.sum(need, axis=1) + num_taken_free
+    scans = cumsum(jnp.stack([num_take, num_freed]), bound=num_take.shape[0] * num_groups * max_blocks)
+    take_before = scans[0] - num_take
+    free_before = num_free + scans[1] - num_freed
+    fits = (take_before + num_take <= free_before + num_freed) & (hit_ok | ~hit)
+    gate = jnp.ones_like(fits)
+    if num_full_tokens is not None:
+        full = jnp.where(row, num_full_tokens, 0)[:, None]
+        full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
+        full_need = jnp.sum(jnp.maximum(full_blocks - -(-n // rules.block_size), 0), axis=1)
+        gate = (full[:, 0] == 0) | (take_before + full_need + num_taken_free <= free_before)
+    row_idx = jnp.arange(fits.shape[0], dtype=jnp.int32)
+    first_failed = jnp.min(jnp.where(fits & gate, fits.shape[0], row_idx))
+    ok = row & (row_idx < first_failed)
+    releasing = row & ~hit & ((row_idx < first_failed) | ((row_idx == first_failed) & gate))
+    if num_hit_tokens is not None:
+        state = ps.unclaim_hits(state, slots, claim_start, jnp.where(ok[:, None], 0, claim_count),
+                                chunk_sizes=sizes)
+
+    # 4. Releases, new blocks, caching.
+    ranges = _table_ranges(shape, slots, first_live, jnp.where(releasing[:, None], num_released, 0))
+    state = _release_ranges(state, ranges, sizes)
+    new_first_live = jnp.where((releasing | (ok & hit_ok))[:, None], keep, state.first_live_idx[:, slots].T)
+    state = dataclasses.replace(
+        state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(new_first_live.T, mode="drop"))
+    state = _fill_ranges(state, _table_ranges(shape, slots, first_new, jnp.where(ok[:, None], need, 0)), sizes)
+    ok_slots = jnp.where(ok, slots, num_slots)
+    state = dataclasses.replace(state, num_computed=state.num_computed.at[ok_slots].set((n + k)[:, 0], mode="drop"))
+    cache_from = jnp.where((ok & hit_ok)[:, None], hit_blocks, state.prefix.num_cached_blocks[:, slots].T)
+    full_blocks = jnp.minimum(n + k, hashed_len[:, None]) // rules.block_size  # [R, G]
+    attention = ok[:, None] & (rules.kind != MAMBA)
+    cache_count = jnp.where(attention, jnp.maximum(full_blocks - cache_from, 0), 0)
+    state = ps.cache_full_blocks(state, slots, cache_from, cache_count, rules=rules, prefix=prefix,
+                                 chunk_sizes=sizes)
+    num_cached = jnp.where(attention, jnp.maximum(cache_from, full_blocks), 0)
+    prefix_state = dataclasses.replace(
+        state.prefix, num_cached_blocks=state.prefix.num_cached_blocks.at[:, ok_slots].set(num_cached.T,
+                                                                                             mode="drop"))
+    state = dataclasses.replace(state, prefix=prefix_state)
+    num_hit = jnp.sum(jnp.where(ok & hit_ok, hit_len[:, 0], 0))
+    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=num_hit)
+
+
+def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes):
+    """`_free` with a prefix cache: the state blocks the requests' last step ended on become
+    findable first; the slots' keys and cache progress are forgotten."""
+    row, slots, scatter_slots = _rows(state, req_slots)
+    state = ps.cache_state_blocks(state, scatter_slots, jnp.where(row, state.num_computed[slots], 0),
+                                  state_groups=tuple(int(g) for g in np.flatnonzero(rules.kind == MAMBA)),
+                                  rules=rules, prefix=prefix)
+    state, ranges, _ = _forget_rows(state, req_slots, rules)
+    state = dataclasses.replace(state, prefix=ps.forget_slots(state.prefix, scatter_slots))
+    return _release_ranges(state, ranges, sizes)
+
+
+def _free(state: ManagerState, req_slots, *, cfg: KVCacheConfig, chunk_sizes: tuple[int, ...] | None = None,
+          prefix: ps.PrefixCacheConfig | None = None) -> ManagerState:
     """Frees requests: every block they hold loses a reference; the slots become empty.
 
     req_slots: int32[R] distinct slots; S marks a padding row. Per request the
     blocks are freed group by group, each group tail first (vLLM's order), so
-    that among cached blocks a shared prefix is evicted after the tails.
-    Jitted as `free` (config and chunk sizes static, state donated).
+    that among cached blocks a shared prefix is evicted after the tails. Free a
+    request only after the step that computes its allocated tokens ran: blocks
+    cached by `allocate` are findable from then on. Jitted as `free` (config,
+    chunk sizes and prefix config static, state donated).
     """
-    state, ranges, _ = _forget_rows(state, req_slots, group_rules(cfg))
-    return _release_ranges(state, ranges, chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0]))
+    rules = group_rules(cfg)
+    sizes = chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0])
+    if state.prefix is not None:
+        return _free_cached(state, req_slots, rules, ps.check_prefix_config(cfg, state.prefix, prefix), sizes)
+    state, ranges, _ = _forget_rows(state, req_slots, rules)
+    return _release_ranges(state, ranges, sizes)
 
 
 def _slot_mappings(state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCacheConfig, num_tokens: int):
@@ -414,7 +566,7 @@ def _block_tables(state: ManagerState, req_slots):
 
 
 def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_steps: int,
-                  chunk_sizes: tuple[int, ...] | None = None):
+                  chunk_sizes: tuple[int, ...] | None = None, prefix: ps.PrefixCacheConfig | None = None):
     """Runs `num_steps` decode steps on device: each allocates one token per row.
 
     req_slots: int32[R]. A row that does not fit in a step stalls for that step
@@ -429,7 +581,8 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     bs = rules.block_size[:, None]  # [G, 1]
 
     def step(state, _):
-        state, result = _allocate(state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_sizes=chunk_sizes)
+        state, result = _allocate(state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_sizes=chunk_sizes,
+                                  prefix=prefix)
         pos = jnp.maximum(state.num_computed[slots] - 1, 0)  # the decoded token's position [R]
         block = state.block_tables[jnp.arange(num_groups)[:, None], slots[None, :], pos[None, :] // bs]
         valid = result.ok[None, :] & (rules.kind != MAMBA)[:, None]
@@ -439,9 +592,25 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     return state, ok, slot_mapping
 
 
-allocate = jax.jit(_allocate, static_argnames=("cfg", "chunk_sizes"), donate_argnames=("state",))
-free = jax.jit(_free, static_argnames=("cfg", "chunk_sizes"), donate_argnames=("state",))
+def _lookup(state: ManagerState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
+            prefix: ps.PrefixCacheConfig | None = None, chunk_sizes: tuple[int, ...] | None = None):
+    """The longest prefix-cache hit of each request, valid for every group; changes nothing.
+
+    keys: uint32[R, X, 4] the requests' unit keys; num_keys: int32[R] (0: padding row);
+    num_tokens: int32[R]. Returns (hit_len int32[R], PrefixStats). See
+    `prefix_state.lookup`. Jitted as `lookup` (config, prefix config, chunk sizes static).
+    """
+    if state.prefix is None:
+        raise ValueError("lookup needs a state with a prefix cache (init_state(..., prefix=...))")
+    prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
+    sizes = chunk_sizes or default_chunk_sizes(cfg, keys.shape[0])
+    return ps.lookup(state.prefix.index, keys, num_keys, num_tokens, cfg=cfg, prefix=prefix, chunk_sizes=sizes)
+
+
+allocate = jax.jit(_allocate, static_argnames=("cfg", "chunk_sizes", "prefix"), donate_argnames=("state",))
+free = jax.jit(_free, static_argnames=("cfg", "chunk_sizes", "prefix"), donate_argnames=("state",))
+lookup = jax.jit(_lookup, static_argnames=("cfg", "prefix", "chunk_sizes"))
 slot_mappings = jax.jit(_slot_mappings, static_argnames=("cfg", "num_tokens"))
 block_tables = jax.jit(_block_tables)
-decode_steps = jax.jit(_decode_steps, static_argnames=("cfg", "num_steps", "chunk_sizes"),
+decode_steps = jax.jit(_decode_steps, static_argnames=("cfg", "num_steps", "chunk_sizes", "prefix"),
                        donate_argnames=("state",))

@@ -11,16 +11,28 @@ state with it after every step.
   if it fits; the first row that fails and all later ones take nothing, later
   ones release nothing), with all releases done before the takes.
 * free: per request, group by group, each group's blocks tail first.
+
+With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.state._allocate_cached`:
+* a dict index (`IndexModel`); popping a cached block evicts it;
+* allocate: state blocks the rows' last step ended on are cached; hits are
+  claimed tentatively in row order (a claimed block that was free, and not
+  claimed by an earlier row, costs one free block); rows in order as above, a
+  release counting the entries whose block has count 1 after the claims; the
+  claims of rows that fail are given back; then releases, new blocks, and the
+  attention blocks whose tokens are all scheduled are cached, row by row,
+  group by group;
+* free: state blocks the last step ended on are cached first.
 """
 
 from __future__ import annotations
 
 from jaxkv.config import KVCacheConfig
+from jaxkv.prefix_rules import HitRule, hybrid_hit_len_reference
 from jaxkv.specs import NULL_BLOCK, cdiv
 
 
 class ModelState:
-    def __init__(self, cfg: KVCacheConfig, max_num_seqs: int):
+    def __init__(self, cfg: KVCacheConfig, max_num_seqs: int, prefix=None):
         self.cfg = cfg
         self.num_blocks = cfg.num_blocks
         self.groups = cfg.groups
@@ -32,6 +44,11 @@ class ModelState:
         self.tables = [[[NULL_BLOCK] * self.max_blocks for _ in range(max_num_seqs)] for _ in range(num_groups)]
         self.first_live = [[0] * max_num_seqs for _ in range(num_groups)]
         self.num_computed = [0] * max_num_seqs
+        self.prefix = prefix
+        if prefix is not None:
+            self.index = IndexModel(cfg.num_blocks, prefix.ways)
+            self.hashes: list[list[tuple[int, ...]]] = [[] for _ in range(max_num_seqs)]  # unit keys per slot
+            self.num_cached = [[0] * max_num_seqs for _ in range(num_groups)]
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,6 +69,8 @@ class ModelState:
         b = self.order.pop(0)
         self.ref_cnt[b] = 1
         self.cached_group.pop(b, None)
+        if self.prefix is not None:
+            self.index.remove([b])
         return b
 
     def touch(self, blocks) -> None:
@@ -93,9 +112,11 @@ class ModelState:
                 self.release([b])
 
     # ---- transitions ------------------------------------------------------------------------
-    def allocate(self, slots, num_new_tokens, num_full_tokens=None) -> list[bool]:
+    def allocate(self, slots, num_new_tokens, num_full_tokens=None, num_hit_tokens=None) -> list[bool]:
         """vLLM's sequential outcome: row by row, gate (before the row's release), release,
         take if it fits; stop at the first failure. The takes happen after all releases."""
+        if self.prefix is not None:
+            return self._allocate_cached(slots, num_new_tokens, num_full_tokens, num_hit_tokens)
         num_free, num_taken, ok, released = self.num_free_blocks, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             n = self.num_computed[s]
@@ -142,11 +163,153 @@ class ModelState:
         return sum(1 for j in range(self.first_live[g][s], self._keep(g, s)) if table[j] != NULL_BLOCK)
 
     def free(self, slots) -> None:
+        if self.prefix is not None:
+            for s in slots:
+                self._cache_state_blocks(s)
         for s in slots:
             for g in range(len(self.groups)):
                 self._release_range(g, s, 0, self.max_blocks)
                 self.first_live[g][s] = 0
             self.num_computed[s] = 0
+            if self.prefix is not None:
+                self.hashes[s] = []
+                for g in range(len(self.groups)):
+                    self.num_cached[g][s] = 0
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def set_hashes(self, slot: int, keys) -> None:
+        """The request's unit keys known on the device (uint32[U, 4] rows)."""
+        self.hashes[slot] = [tuple(int(w) for w in key) for key in keys]
+
+    def _key_of_block(self, g: int, s: int, j: int):
+        """The key of block j of group g of slot s, None if not hashed yet."""
+        unit = (j + 1) * self.groups[g].block_size // self.prefix.unit - 1
+        return self.hashes[s][unit] if unit < len(self.hashes[s]) else None
+
+    def _cache(self, block: int, key, g: int) -> None:
+        if self.index.insert([(block, key, g)])[0]:
+            self.cached_group[block] = g
+
+    def _cache_state_blocks(self, s: int) -> None:
+        n = self.num_computed[s]
+        for g, group in enumerate(self.groups):
+            bs = group.block_size
+            if group.kind != "mamba" or n == 0 or n % bs:
+                continue
+            block, key = self.tables[g][s][n // bs - 1], self._key_of_block(g, s, n // bs - 1)
+            if block != NULL_BLOCK and key is not None and block not in self.cached_group:
+                self._cache(block, key, g)
+
+    def lookup(self, keys, num_tokens: int) -> int:
+        """The hit for a request with unit keys `keys` and `num_tokens` tokens (vLLM's fixed point)."""
+        keys = [tuple(int(w) for w in key) for key in keys]
+        bound = min(max(num_tokens - 1, 0), len(keys) * self.prefix.unit)
+        cached = []
+        for g, group in enumerate(self.groups):
+            bs = group.block_size
+            cached.append([self.index.probe(keys[(j + 1) * bs // self.prefix.unit - 1], g) != NULL_BLOCK
+                           for j in range(bound // bs)])
+        rules = [HitRule.for_spec(group.spec) for group in self.groups]
+        return hybrid_hit_len_reference(rules, cached, num_tokens if keys else 0)
+
+    def _allocate_cached(self, slots, num_new_tokens, num_full_tokens, num_hit_tokens) -> list[bool]:
+        num_groups = len(self.groups)
+        num_hit_tokens = num_hit_tokens or [0] * len(slots)
+        for s in slots:
+            self._cache_state_blocks(s)
+        num_free = self.num_free_blocks
+        # Tentative claims, row by row.
+        claims, hit_ok, taken_free = [], [], []
+        claimed = {}  # block -> tentative claims in this call
+        for s, h in zip(slots, num_hit_tokens):
+            entries, ok_h, taken = [], False, 0
+            if h > 0:
+                ok_h = (self.num_computed[s] == 0 and all(h % g.block_size == 0 for g in self.groups)
+                        and h <= len(self.hashes[s]) * self.prefix.unit)
+                if ok_h:
+                    wanted = 0
+                    for g, group in enumerate(self.groups):
+                        for j in range(self.keep_from(g, h), h // group.block_size):
+                            wanted += 1
+                            block = self.index.probe(self._key_of_block(g, s, j), g)
+                            if block != NULL_BLOCK:
+                                entries.append((g, j, block))
+                    ok_h = len(entries) == wanted
+                    for _, _, block in entries:
+                        taken += self.ref_cnt[block] == 0 and block not in claimed
+                        claimed[block] = claimed.get(block, 0) + 1
+            claims.append(entries)
+            hit_ok.append(ok_h)
+            taken_free.append(taken)
+        # The rows in order.
+        n_eff = [h if ok_h else self.num_computed[s] for s, h, ok_h in zip(slots, num_hit_tokens, hit_ok)]
+        take_before, freed_before, ok, releasing = 0, 0, [], []
+        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
+            hit = num_hit_tokens[i] > 0
+            need = sum(len(self.new_range(g, n_eff[i], k)) for g in range(num_groups))
+            freed = 0
+            if not hit:
+                for g in range(num_groups):
+                    for j in range(self.first_live[g][s], self._keep(g, s)):
+                        block = self.tables[g][s][j]
+                        freed += block != NULL_BLOCK and self.ref_cnt[block] + claimed.get(block, 0) == 1
+            free_before = num_free + freed_before
+            gate = True
+            full = 0 if num_full_tokens is None else num_full_tokens[i]
+            if full > 0:
+                full_need = 0
+                for group in self.groups:
+                    cap = group.spec.blocks_per_request(self.cfg.max_model_len, self.cfg.max_num_batched_tokens)
+                    bs = group.block_size
+                    full_need += max(0, min(cdiv(full, bs), cap) - cdiv(n_eff[i], bs))
+                gate = take_before + full_need + taken_free[i] <= free_before
+            fits = take_before + need + taken_free[i] <= free_before + freed and (hit_ok[i] or not hit)
+            if gate and not hit:
+                releasing.append(s)
+            if not (fits and gate):
+                break
+            take_before += need + taken_free[i]
+            freed_before += freed
+            ok.append(True)
+        ok += [False] * (len(slots) - len(ok))
+        # Claims of the rows that succeed, in row order; then releases, new blocks, caching.
+        for i, s in enumerate(slots):
+            if ok[i] and hit_ok[i]:
+                for g, j, block in claims[i]:
+                    self.touch([block])
+                    self.tables[g][s][j] = block
+                for g in range(num_groups):
+                    self.first_live[g][s] = self.keep_from(g, n_eff[i])
+                self.num_computed[s] = n_eff[i]
+        for s in releasing:
+            for g in range(num_groups):
+                keep = self._keep(g, s)
+                self._release_range(g, s, self.first_live[g][s], keep)
+                self.first_live[g][s] = keep
+        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
+            if not ok[i]:
+                continue
+            n = self.num_computed[s]
+            for g in range(num_groups):
+                for j in self.new_range(g, n, k):
+                    self.tables[g][s][j] = self.pop()
+            self.num_computed[s] = n + k
+        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
+            if not ok[i]:
+                continue
+            hashed_len = len(self.hashes[s]) * self.prefix.unit
+            for g, group in enumerate(self.groups):
+                if group.kind == "mamba":
+                    continue
+                bs = group.block_size
+                start = n_eff[i] // bs if hit_ok[i] else self.num_cached[g][s]
+                end = min(self.num_computed[s], hashed_len) // bs
+                for j in range(start, end):
+                    block = self.tables[g][s][j]
+                    if block != NULL_BLOCK:
+                        self._cache(block, self._key_of_block(g, s, j), g)
+                self.num_cached[g][s] = max(start, end)
+        return ok
 
 
 def assert_state_matches(state, model: ModelState) -> None:
@@ -159,6 +322,12 @@ def assert_state_matches(state, model: ModelState) -> None:
     np.testing.assert_array_equal(state.num_computed, model.num_computed, err_msg="num_computed")
     np.testing.assert_array_equal(state.first_live_idx, model.first_live, err_msg="first_live_idx")
     assert_pool_matches(state.pool, model)
+    if model.prefix is not None:
+        from jaxkv.prefix_cache import index_entries
+
+        assert {k: b for k, (b, _) in index_entries(state.prefix.index).items()} == model.index.entries(), "index"
+        np.testing.assert_array_equal(state.prefix.num_cached_blocks, model.num_cached, err_msg="num_cached")
+        assert np.asarray(state.prefix.num_hashed_units).tolist() == [len(h) for h in model.hashes], "hashed"
 
 
 def assert_pool_matches(pool, model: ModelState) -> None:

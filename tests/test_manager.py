@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import KVCacheManager
+from jaxkv.hashing import prompt_unit_hashes
 from jaxkv.invariants import check_invariants
 from jaxkv.specs import NULL_BLOCK
 from model_reference import ModelState, assert_state_matches
@@ -127,8 +128,9 @@ def test_errors_name_the_offending_value():
         mgr.allocate_slots("a", -1)
     with pytest.raises(ValueError, match="'a' has 3 tokens, 0 computed: it cannot schedule 4 more"):
         mgr.allocate_slots("a", 4)
-    with pytest.raises(ValueError, match="num_new_computed_tokens=2 for request 'a'"):
-        mgr.allocate_slots("a", 1, num_new_computed_tokens=2)
+    with pytest.raises(ValueError, match="num_new_computed_tokens=3 for request 'a'"):
+        mgr.allocate_slots("a", 0, num_new_computed_tokens=3)  # a hit never covers the last token
+    assert not mgr.allocate_slots("a", 1, num_new_computed_tokens=2)  # not in the cache: refused
     with pytest.raises(ValueError, match="request 'a' appears twice"):
         mgr.allocate_slots_batch(["a", "a"], [1, 1])
     with pytest.raises(ValueError, match="num_new_tokens has shape"):
@@ -152,34 +154,45 @@ def test_errors_name_the_offending_value():
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_random_use_matches_model(data):
-    """add / batched allocate (prefill chunks, decodes) / free / preempt through the facade; the
-    device state (block ids included) equals the model after every allocation."""
+    """add / lookup / batched allocate (hits claimed, prefill chunks, decodes) / free / preempt through
+    the facade; the device state (block ids, prefix-cache index included) equals the model after every
+    allocation."""
     mgr = manager(debug_checks=data.draw(st.booleans(), label="debug_checks"))
-    model = ModelState(CFG, 3)
+    model = ModelState(CFG, 3, mgr.prefix_config)
     running: list[str] = []  # admission order
+    tokens: dict[str, list[int]] = {}
     next_id = 0
     for _ in range(data.draw(st.integers(1, 20), label="num_ops")):
         op = data.draw(st.sampled_from(["add", "allocate", "allocate", "free", "preempt"]), label="op")
         if op == "add" and mgr.num_requests < 3:
             rid = f"r{next_id}"
             next_id += 1
-            mgr.add_request(rid, list(range(data.draw(st.integers(1, 16), label="prompt_len"))))
+            tokens[rid] = list(range(data.draw(st.integers(1, 16), label="prompt_len")))
+            mgr.add_request(rid, tokens[rid])
             running.append(rid)
         elif op == "allocate" and running:
             rids = data.draw(st.permutations(running), label="order")
             rids = rids[: data.draw(st.integers(1, len(rids)), label="batch_size")]
-            new_tokens, must_fit = [], []
+            new_tokens, must_fit, hits = [], [], []
             for rid in rids:
                 remaining = mgr.num_tokens(rid) - mgr.num_computed_tokens(rid)
                 if remaining == 0 and mgr.num_tokens(rid) < 16:
                     mgr.append_token_ids(rid, [7])
+                    tokens[rid].append(7)
                     remaining = 1
-                new_tokens.append(data.draw(st.integers(0, min(remaining, 8)), label="num_new_tokens"))
+                hit = 0
+                if mgr.num_computed_tokens(rid) == 0 and data.draw(st.booleans(), label="look_up"):
+                    hit = mgr.get_computed_tokens(rid)
+                    assert hit == model.lookup(prompt_unit_hashes(tokens[rid], 2), len(tokens[rid]))
+                hits.append(hit)
+                new_tokens.append(data.draw(st.integers(0, min(remaining - hit, 8)), label="num_new_tokens"))
                 must_fit.append(mgr.num_computed_tokens(rid) == 0 and data.draw(st.booleans(), label="must_fit"))
             slots = mgr.slots_of(rids).tolist()
             full = [mgr.num_tokens(rid) if fit else 0 for rid, fit in zip(rids, must_fit)]
-            ok = mgr.allocate_slots_batch(rids, new_tokens, [0] * len(rids), full_sequence_must_fit=must_fit)
-            assert ok.tolist() == model.allocate(slots, new_tokens, full)
+            ok = mgr.allocate_slots_batch(rids, new_tokens, hits, full_sequence_must_fit=must_fit)
+            for rid in running:  # every request's keys ride with the allocation
+                model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
+            assert ok.tolist() == model.allocate(slots, new_tokens, full, hits)
             assert mgr.num_free_blocks == model.num_free_blocks
             assert_state_matches(mgr._state, model)  # no read: nothing flushed
             for rid, slot in zip(rids, slots):
@@ -189,12 +202,13 @@ def test_random_use_matches_model(data):
             rids = [running[-1]] if op == "preempt" else data.draw(
                 st.lists(st.sampled_from(running), min_size=1, unique=True), label="free")
             model.free(mgr.slots_of(rids).tolist())
-            tokens = {rid: mgr.num_tokens(rid) for rid in rids}
             mgr.free_batch(rids)
             for rid in rids:
                 running.remove(rid)
                 if op == "preempt":  # back to waiting, computed tokens forgotten: re-added later
-                    mgr.add_request(rid, list(range(tokens[rid])))
+                    mgr.add_request(rid, tokens[rid])
                     running.append(rid)
-    check_invariants(CFG, mgr.state)
+    check_invariants(CFG, mgr.state)  # reading the state stores the pending keys
+    for rid in running:
+        model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
     assert_state_matches(mgr.state, model)

@@ -1,0 +1,408 @@
+"""Prefix caching inside the manager state: unit hashes per request, hits claimed and full blocks cached
+inside the jitted transitions of `jaxkv.state`.
+
+Dimensions: R rows of a call, G groups, S slots, U hash units per request (`max_model_len // unit`),
+M max blocks per request, K entries per loop step, P probes, X uploaded keys.
+
+Units and keys. The host cuts a request's tokens into units of `unit` tokens
+(`PrefixCacheConfig.unit`: the gcd of the groups' block sizes, or a finer
+`prefix_match_unit`), hashes every full unit chained over the prefix (and the
+cache salt, in the first unit: `jaxkv.hashing`) and uploads the 128-bit keys
+into `req_hashes[slot]`. Block j of a group with block size b (a multiple of
+the unit) holds tokens [j·b, (j + 1)·b); its key is the unit key at its end:
+
+    unit           |u0 |u1 |u2 |u3 |u4 |u5 |u6 |u7 |        unit = 4 tokens
+    group b = 8    |  block 0  |  block 1  |  block 2  ...   key of block 1 = req_hashes[slot, 3]
+    group b = 16   |        block 0        |  block 1  ...   key of block 0 = req_hashes[slot, 3]
+
+A key names the whole prefix up to the block's end, so a block cached under
+(key, group) holds that group's cache of exactly that prefix.
+
+Caching (`cache_full_blocks`): an attention block is indexed, in every
+attention group (sliding-window blocks too: dense), in the transition that
+schedules its last token, provided its key is known; a state (Mamba) block
+is indexed once a step ended exactly at its end (`cache_state_blocks`): it
+then holds the state after its last token. `num_cached_blocks[g, slot]`
+remembers how far a request's attention blocks were handled.
+
+Claims (`claim_hits`): a hit of h tokens makes each group hold, per its rule,
+the table entries [keep_from(h), h / b) (full: all; sliding window: the last
+cdiv(W − 1, b); chunked: the current chunk; state: the block at h), found by
+probing the index with the request's own keys. A claim is valid only if every
+one of them is found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.config import KVCacheConfig
+from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, mark_cached, unclaim
+from jaxkv.prefix_cache import DEFAULT_WAYS, IndexState, init_index, insert, probe
+from jaxkv.prefix_rules import HitRule, group_hit_lens, prefix_hit_len
+from jaxkv.ranges import in_chunks, range_chunk, range_layout
+from jaxkv.specs import NULL_BLOCK, cdiv
+
+UPLOAD_WORDS = 2 + HASH_WORDS  # an uploaded key: slot, unit index, key words
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixCacheConfig:
+    """Static prefix-cache settings (hashable: passed to jit as static).
+
+    unit: tokens per hash unit; divides every group's block size.
+    ways: slots per index bucket.
+    """
+
+    unit: int
+    ways: int = DEFAULT_WAYS
+
+    def __post_init__(self):
+        if not isinstance(self.unit, int) or self.unit <= 0:
+            raise ValueError(f"unit={self.unit!r} must be a positive int (tokens per hash unit)")
+        if not isinstance(self.ways, int) or self.ways <= 0:
+            raise ValueError(f"ways={self.ways!r} must be a positive int")
+
+    @classmethod
+    def for_config(cls, cfg: KVCacheConfig, prefix_match_unit: int | None = None,
+                   ways: int = DEFAULT_WAYS) -> PrefixCacheConfig:
+        """The unit is `prefix_match_unit`, or the gcd of the groups' block sizes."""
+        block_sizes = sorted({g.block_size for g in cfg.groups})
+        unit = math.gcd(*block_sizes) if prefix_match_unit is None else prefix_match_unit
+        if not isinstance(unit, int) or unit <= 0:
+            raise ValueError(f"prefix_match_unit={prefix_match_unit!r} must be a positive int")
+        bad = [b for b in block_sizes if b % unit]
+        if bad:
+            raise ValueError(f"prefix_match_unit={unit} must divide every group's block size; it does not divide "
+                             f"{bad}. Use a divisor of {math.gcd(*block_sizes)}")
+        return cls(unit=unit, ways=ways)
+
+    def num_units(self, cfg: KVCacheConfig) -> int:
+        """U: full units of a max_model_len-token request."""
+        return cfg.max_model_len // self.unit
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixState:
+    """The prefix cache's part of `ManagerState`; a pytree of arrays.
+
+    index:             IndexState       (hash, group) -> block
+    req_hashes:        uint32[S, U, 4]  each request's unit keys
+    num_hashed_units:  int32[S]         units of each request whose keys are uploaded
+    num_cached_blocks: int32[G, S]      attention blocks [0, this) of the request were handled
+                                        (indexed, or found indexed, or gone before they could be)
+    """
+
+    index: IndexState
+    req_hashes: jax.Array
+    num_hashed_units: jax.Array
+    num_cached_blocks: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    PrefixState, data_fields=[f.name for f in dataclasses.fields(PrefixState)], meta_fields=[]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixStats:
+    """Counters of one call (int32[] each).
+
+    num_lookups:          requests looked up
+    num_lookup_tokens:    their tokens
+    num_hit_tokens:       tokens of the hits found (valid for every group)
+    num_reconciliation_miss_tokens: tokens the full-attention groups alone could have reused
+                          beyond the hit (another group could not)
+    """
+
+    num_lookups: jax.Array
+    num_lookup_tokens: jax.Array
+    num_hit_tokens: jax.Array
+    num_reconciliation_miss_tokens: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    PrefixStats, data_fields=[f.name for f in dataclasses.fields(PrefixStats)], meta_fields=[]
+)
+
+
+def init_prefix_state(cfg: KVCacheConfig, prefix: PrefixCacheConfig, max_num_seqs: int) -> PrefixState:
+    """An empty index; no request hashed."""
+    num_units = prefix.num_units(cfg)
+    return PrefixState(
+        index=init_index(cfg.num_blocks, prefix.ways),
+        req_hashes=jnp.zeros((max_num_seqs, num_units, HASH_WORDS), jnp.uint32),
+        num_hashed_units=jnp.zeros(max_num_seqs, jnp.int32),
+        num_cached_blocks=jnp.zeros((len(cfg.groups), max_num_seqs), jnp.int32),
+    )
+
+
+def check_prefix_config(cfg: KVCacheConfig, prefix_state: PrefixState, prefix: PrefixCacheConfig | None):
+    """Trace-time check that the static config fits the state; returns the config to use."""
+    prefix = prefix or PrefixCacheConfig.for_config(cfg)
+    if prefix_state.req_hashes.shape[1] != prefix.num_units(cfg):
+        raise ValueError(f"the state holds {prefix_state.req_hashes.shape[1]} units per request but {prefix} "
+                         f"gives {prefix.num_units(cfg)}: pass the PrefixCacheConfig the state was made with")
+    return prefix
+
+
+def store_hashes(prefix_state: PrefixState, uploads) -> PrefixState:
+    """Writes uploaded keys: `uploads` uint32[X, 6] rows (slot, unit index, key words).
+
+    A row whose slot is out of range (padding: S) writes nothing. Keys of a request are
+    uploaded in unit order: `num_hashed_units` becomes the highest unit index + 1.
+    """
+    num_slots, num_units = prefix_state.req_hashes.shape[:2]
+    slot = uploads[:, 0].astype(jnp.int32)
+    unit = uploads[:, 1].astype(jnp.int32)
+    valid = (slot >= 0) & (slot < num_slots) & (unit >= 0) & (unit < num_units)
+    slot = jnp.where(valid, slot, num_slots)
+    return dataclasses.replace(
+        prefix_state,
+        req_hashes=prefix_state.req_hashes.at[slot, unit].set(uploads[:, 2:], mode="drop"),
+        num_hashed_units=prefix_state.num_hashed_units.at[slot].max(unit + 1, mode="drop"),
+    )
+
+
+def forget_slots(prefix_state: PrefixState, scatter_slots) -> PrefixState:
+    """Empties the hashes and cache progress of `scatter_slots` int32[F] (S: padding)."""
+    return dataclasses.replace(
+        prefix_state,
+        num_hashed_units=prefix_state.num_hashed_units.at[scatter_slots].set(0, mode="drop"),
+        num_cached_blocks=prefix_state.num_cached_blocks.at[:, scatter_slots].set(0, mode="drop"),
+    )
+
+
+def _units_per_block(rules, prefix: PrefixCacheConfig) -> np.ndarray:
+    return (rules.block_size // prefix.unit).astype(np.int32)
+
+
+def _block_key(prefix_state: PrefixState, slot, group, block_idx, units_per_block):
+    """uint32[K, 4]: the key of table entry (group, slot, block_idx) [K]: its request's unit key at the block's end."""
+    unit = (block_idx + 1) * jnp.asarray(units_per_block)[group] - 1
+    num_units = prefix_state.req_hashes.shape[1]
+    return prefix_state.req_hashes.at[slot, jnp.clip(unit, 0, num_units - 1)].get(mode="fill", fill_value=0)
+
+
+def _chunk_entries(layout, chunk_idx, size, first, num_groups, num_slots, max_blocks):
+    """Decodes a chunk of table ranges laid out from `first` int32[Q] (Q = R × G, row-major).
+
+    Returns (in_range [K], row [K], group [K], slot [K], block_idx [K], flat table index [K]).
+    """
+    in_range, range_id, offset = range_chunk(layout, chunk_idx, size)
+    flat = first[range_id] + offset
+    group = flat // (num_slots * max_blocks)
+    slot = flat // max_blocks % num_slots
+    return in_range, range_id // num_groups, group, slot, flat % max_blocks, flat
+
+
+def _flat_first(shape, slots, start):
+    """int32[Q]: the flat table index of each (row, group) range starting at `start` int32[R, G]."""
+    num_groups, num_slots, max_blocks = shape
+    g = jnp.arange(num_groups, dtype=jnp.int32)[None, :]
+    return ((g * num_slots + slots[:, None]) * max_blocks + start).reshape(-1)
+
+
+def claim_hits(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
+    """Claims table entries [start, start + count) int32[R, G] of rows `slots` int32[R] from the index.
+
+    Each entry probes the index with its block's key; a found block goes into the
+    table and gets a reference (`pool.claim`). Returns (state, num_found int32[R],
+    num_taken_free int32[R]: claimed blocks that were free, each counted once, at the
+    first row that claims it). Rows must have empty tables.
+    """
+    shape = state.block_tables.shape
+    num_rows = slots.shape[0]
+    first = _flat_first(shape, slots, start)
+    layout = range_layout(count.reshape(-1), max_entries=count.size * shape[2])
+    units_per_block = _units_per_block(rules, prefix)
+    tables_size = math.prod(shape)
+
+    def claim_body(size):
+        def claim_chunk(chunk_idx, carry):
+            state, num_found, num_taken = carry
+            in_range, row, group, slot, block_idx, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
+            keys = _block_key(state.prefix, slot, group, block_idx, units_per_block)
+            block = probe(state.prefix.index, keys, group, in_range)
+            found = block != NULL_BLOCK
+            pool, was_free = claim(state.pool, block, found)
+            tables = state.block_tables.reshape(-1).at[jnp.where(found, flat, tables_size)].set(block, mode="drop")
+            row = jnp.where(in_range, row, num_rows)
+            num_found = num_found.at[row].add(found.astype(jnp.int32), mode="drop")
+            num_taken = num_taken.at[row].add(was_free.astype(jnp.int32), mode="drop")
+            return dataclasses.replace(state, pool=pool, block_tables=tables.reshape(shape)), num_found, num_taken
+
+        return claim_chunk
+
+    zeros = jnp.zeros(num_rows, jnp.int32)
+    return in_chunks(layout[-1], chunk_sizes, claim_body, (state, zeros, zeros))
+
+
+def unclaim_hits(state, slots, start, count, *, chunk_sizes):
+    """Undoes `claim_hits` of the ranges [start, start + count) int32[R, G] in the same transition.
+
+    Entries holding a block drop it (`pool.unclaim`) and become NULL_BLOCK.
+    """
+    shape = state.block_tables.shape
+    first = _flat_first(shape, slots, start)
+    layout = range_layout(count.reshape(-1), max_entries=count.size * shape[2])
+    tables_size = math.prod(shape)
+
+    def unclaim_body(size):
+        def unclaim_chunk(chunk_idx, state):
+            in_range, _, _, _, _, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
+            idx = jnp.where(in_range, flat, tables_size)
+            tables = state.block_tables.reshape(-1)
+            block = tables.at[idx].get(mode="fill", fill_value=NULL_BLOCK)
+            null = jnp.where(block < 0, block, NULL_BLOCK)  # depends on the read: in-place write
+            return dataclasses.replace(state, pool=unclaim(state.pool, block, block != NULL_BLOCK),
+                                       block_tables=tables.at[idx].set(null, mode="drop").reshape(shape))
+
+        return unclaim_chunk
+
+    return in_chunks(layout[-1], chunk_sizes, unclaim_body, state)
+
+
+def count_sole_holders(state, slots, start, count, *, chunk_sizes):
+    """int32[R]: entries of the ranges [start, start + count) int32[R, G] holding a block with count 1.
+
+    Read-only. Releasing such an entry surely frees its block: a lower bound of what
+    the rows' releases free (exact unless two rows release one shared block).
+    """
+    shape = state.block_tables.shape
+    num_rows = slots.shape[0]
+    first = _flat_first(shape, slots, start)
+    layout = range_layout(count.reshape(-1), max_entries=count.size * shape[2])
+    tables_size = math.prod(shape)
+
+    def count_body(size):
+        def count_chunk(chunk_idx, num_sole):
+            in_range, row, _, _, _, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
+            block = state.block_tables.reshape(-1).at[jnp.where(in_range, flat, tables_size)].get(
+                mode="fill", fill_value=NULL_BLOCK)
+            sole = (block != NULL_BLOCK) & (state.pool.ref_cnt[block] == 1)
+            return num_sole.at[jnp.where(in_range, row, num_rows)].add(sole.astype(jnp.int32), mode="drop")
+
+        return count_chunk
+
+    return in_chunks(layout[-1], chunk_sizes, count_body, jnp.zeros(num_rows, jnp.int32))
+
+
+def _index_blocks(state, blocks, keys, group, valid):
+    """Indexes `blocks` [K] under (keys [K, 4], group [K]) where valid; marks the placed ones cached."""
+    index, placed = insert(state.prefix.index, blocks, keys, group, valid)
+    pool = mark_cached(state.pool, blocks, keys, group, placed)
+    return dataclasses.replace(state, pool=pool, prefix=dataclasses.replace(state.prefix, index=index))
+
+
+def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
+    """Indexes the attention blocks at table entries [start, start + count) int32[R, G] of `slots` [R].
+
+    NULL entries (released before they could be cached) are skipped; so are blocks whose
+    key is indexed already (the indexed block wins).
+    """
+    shape = state.block_tables.shape
+    first = _flat_first(shape, slots, start)
+    layout = range_layout(count.reshape(-1), max_entries=count.size * shape[2])
+    units_per_block = _units_per_block(rules, prefix)
+    tables_size = math.prod(shape)
+
+    def cache_body(size):
+        def cache_chunk(chunk_idx, state):
+            in_range, _, group, slot, block_idx, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
+            block = state.block_tables.reshape(-1).at[jnp.where(in_range, flat, tables_size)].get(
+                mode="fill", fill_value=NULL_BLOCK)
+            keys = _block_key(state.prefix, slot, group, block_idx, units_per_block)
+            return _index_blocks(state, block, keys, group, block != NULL_BLOCK)
+
+        return cache_chunk
+
+    return in_chunks(layout[-1], chunk_sizes, cache_body, state)
+
+
+def cache_state_blocks(state, slots, num_computed, *, state_groups: tuple[int, ...], rules,
+                       prefix: PrefixCacheConfig):
+    """Indexes the blocks of the state groups `state_groups` (static) whose rows' last step ended at a block end.
+
+    slots: int32[R] (S: padding); num_computed: int32[R] tokens the rows' finished steps
+    computed. A state group's block at index n / b − 1 then holds the state after n
+    tokens (n a multiple of b): the step wrote it, so a later call may hand it out.
+    """
+    if not state_groups:
+        return state
+    is_state = np.asarray(state_groups, np.int32)
+    groups = jnp.asarray(is_state, jnp.int32)[None, :]  # [1, Gs]
+    block_size = jnp.asarray(rules.block_size[is_state])[None, :]
+    n = num_computed[:, None]
+    block_idx = n // block_size - 1
+    num_slots, max_blocks = state.block_tables.shape[1:]
+    in_slot = (slots >= 0) & (slots < num_slots)
+    safe_slot = jnp.where(in_slot, slots, 0)[:, None]
+    block = state.block_tables[groups, safe_slot, jnp.clip(block_idx, 0, max_blocks - 1)]
+    hashed = state.prefix.num_hashed_units[safe_slot] * prefix.unit >= n
+    valid = in_slot[:, None] & (n > 0) & (n % block_size == 0) & hashed & (block != NULL_BLOCK)
+    valid &= state.pool.block_group[block] == NOT_CACHED
+    keys = _block_key(state.prefix, jnp.broadcast_to(safe_slot, block.shape), jnp.broadcast_to(groups, block.shape),
+                      block_idx, _units_per_block(rules, prefix))
+    return _index_blocks(state, block.reshape(-1), keys.reshape(-1, HASH_WORDS),
+                         jnp.broadcast_to(groups, block.shape).reshape(-1), valid.reshape(-1))
+
+
+def hit_rules(cfg: KVCacheConfig) -> tuple[HitRule, ...]:
+    """Each group's hit rule, at its own block size."""
+    return tuple(HitRule.for_spec(g.spec) for g in cfg.groups)
+
+
+def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig, prefix: PrefixCacheConfig,
+           chunk_sizes) -> tuple[jax.Array, PrefixStats]:
+    """The longest prefix-cache hit of each request, valid for every group; changes nothing.
+
+    keys:       uint32[R, X, 4] the requests' unit keys (from the host), X ≤ U
+    num_keys:   int32[R] keys given per request (0: padding row)
+    num_tokens: int32[R] the requests' tokens (the hit stays below the last one)
+    Returns (hit_len int32[R], stats). Every group's candidate blocks up to the bound are
+    probed, in chunks; `prefix_rules.prefix_hit_len` intersects the groups' valid lengths.
+    """
+    rules = hit_rules(cfg)
+    num_rows, num_keys_max = keys.shape[:2]
+    num_groups = len(rules)
+    block_sizes = np.asarray([r.block_size for r in rules], np.int32)
+    units_per_block = (block_sizes // prefix.unit).astype(np.int32)
+    widths = [cdiv(cfg.max_model_len, int(b)) for b in block_sizes]
+    max_width = max(widths)
+    bound = jnp.minimum(jnp.maximum(num_tokens - 1, 0), num_keys * prefix.unit)  # [R]
+    count = jnp.minimum(bound[:, None] // block_sizes[None, :], num_keys_max // units_per_block[None, :])  # [R, G]
+    layout = range_layout(count.reshape(-1), max_entries=count.size * max_width)
+
+    def probe_body(size):
+        def probe_chunk(chunk_idx, cached):
+            in_range, range_id, block_idx = range_chunk(layout, chunk_idx, size)
+            row, group = range_id // num_groups, range_id % num_groups
+            unit = (block_idx + 1) * jnp.asarray(units_per_block)[group] - 1
+            block_keys = keys.at[row, jnp.clip(unit, 0, num_keys_max - 1)].get(mode="fill", fill_value=0)
+            found = probe(index, block_keys, group, in_range) != NULL_BLOCK
+            flat = jnp.where(found, range_id * max_width + block_idx, cached.size)
+            return cached.reshape(-1).at[flat].set(True, mode="drop").reshape(cached.shape)
+
+        return probe_chunk
+
+    cached = in_chunks(layout[-1], chunk_sizes, probe_body, jnp.zeros((num_rows, num_groups, max_width), bool))
+    per_group = tuple(cached[:, g, : widths[g]] for g in range(num_groups))
+    valid_tokens = jnp.where(num_keys > 0, num_tokens, 0)
+    hit_len = prefix_hit_len(rules, per_group, valid_tokens)
+    own = group_hit_lens(rules, per_group, valid_tokens)  # [R, G]
+    is_full = np.asarray([r.kind == "full" for r in rules])
+    full_len = jnp.max(jnp.where(is_full[None, :], own, 0), axis=1)
+    row = num_keys > 0
+    stats = PrefixStats(
+        num_lookups=jnp.sum(row, dtype=jnp.int32),
+        num_lookup_tokens=jnp.sum(valid_tokens, dtype=jnp.int32),
+        num_hit_tokens=jnp.sum(hit_len, dtype=jnp.int32),
+        num_reconciliation_miss_tokens=jnp.sum(jnp.maximum(full_len - hit_len, 0), dtype=jnp.int32),
+    )
+    return hit_len, stats
