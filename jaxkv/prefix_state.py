@@ -369,6 +369,7 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     probed, in chunks; `prefix_rules.prefix_hit_len` intersects the groups' valid lengths.
     """
     rules = hit_rules(cfg)
+    keys, num_keys, num_tokens = jnp.asarray(keys), jnp.asarray(num_keys), jnp.asarray(num_tokens)
     num_rows, num_keys_max = keys.shape[:2]
     num_groups = len(rules)
     block_sizes = np.asarray([r.block_size for r in rules], np.int32)

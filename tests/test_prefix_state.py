@@ -1,0 +1,331 @@
+"""Prefix caching inside ManagerState: the issue's vectors, and random sequences against the model
+with a fake KV store (every hit must read back the values its prefix computed), jitted and eager.
+
+Dimensions: R rows per call (padded to S), G groups, S slots, X uploaded keys per call.
+"""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv import state as ms
+from jaxkv.hashing import prompt_unit_hashes
+from jaxkv.invariants import check_invariants
+from jaxkv.pool import mark_cached
+from jaxkv.prefix_cache import index_entries, insert
+from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig
+from jaxkv.specs import NULL_BLOCK
+from model_reference import ModelState, assert_state_matches
+from test_state import chunked, full, make_cfg, mamba, sliding
+
+NUM_SLOTS = 4
+UPLOADS = 64  # X
+
+
+def _pad(values, fill, width=NUM_SLOTS):
+    out = np.full(width, fill, np.int32)
+    out[: len(values)] = values
+    return out
+
+
+def _uploads(keys_by_slot: dict[int, np.ndarray]) -> np.ndarray:
+    """uint32[X, 6]: every key of every listed slot (padding: slot S)."""
+    out = np.zeros((UPLOADS, UPLOAD_WORDS), np.uint32)
+    out[:, 0] = NUM_SLOTS
+    row = 0
+    for slot, keys in keys_by_slot.items():
+        out[row: row + len(keys), 0] = slot
+        out[row: row + len(keys), 1] = np.arange(len(keys))
+        out[row: row + len(keys), 2:] = keys
+        row += len(keys)
+    return out
+
+
+def _lookup(state, cfg, prefix, keys, num_tokens) -> int:
+    width = max(8, len(keys))
+    padded = np.zeros((8, width, 4), np.uint32)
+    padded[0, : len(keys)] = keys
+    hits, _ = ms.lookup(state, padded, _pad([len(keys)], 0, 8), _pad([num_tokens], 0, 8), cfg=cfg, prefix=prefix)
+    return int(hits[0])
+
+
+def _allocate(state, cfg, prefix, rows, uploads=None):
+    """rows: (slot, new tokens, hit tokens). Returns (state, ok list)."""
+    slots, new, hits = zip(*rows)
+    state, result = ms.allocate(state, _pad(slots, NUM_SLOTS), _pad(new, 0), None, None, _pad(hits, 0),
+                                uploads, cfg=cfg, prefix=prefix)
+    check_invariants(cfg, state, prefix)
+    return state, np.asarray(result.ok).tolist()[: len(rows)]
+
+
+# ---- the issue's acceptance vectors ----------------------------------------------------------
+
+
+def test_vllm_hybrid_vector():
+    # Groups full + SW(32) + SW(32), block 16. A 55-token prompt is computed; a 53-token prompt sharing
+    # its first 48 tokens hits 48: the first three full blocks, and in each sliding-window group
+    # [null, x, y] with x, y the first request's blocks 1 and 2 (the window of position 48 starts at 17).
+    cfg = make_cfg(40, full(16), sliding(16, 32), sliding(16, 32), max_model_len=128, max_num_batched_tokens=64)
+    prefix = PrefixCacheConfig.for_config(cfg)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    a = list(range(55))
+    b = a[:48] + [900, 901, 902, 903, 904]
+    state, ok = _allocate(state, cfg, prefix, [(0, 55, 0)], _uploads({0: prompt_unit_hashes(a, 16)}))
+    assert ok == [True]
+    keys_b = prompt_unit_hashes(b, 16)
+    assert _lookup(state, cfg, prefix, keys_b, 53) == 48
+    free_before = int(state.pool.num_free_blocks)
+    state, ok = _allocate(state, cfg, prefix, [(1, 5, 48)], _uploads({1: keys_b}))
+    assert ok == [True]
+    tables = np.asarray(state.block_tables)
+    assert tables[0, 1, :3].tolist() == tables[0, 0, :3].tolist()
+    for g in (1, 2):
+        assert tables[g, 1, :3].tolist() == [NULL_BLOCK, tables[g, 0, 1], tables[g, 0, 2]]
+    assert tables[:, 1, 3].tolist() != tables[:, 0, 3].tolist()  # block 3 is new in every group
+    assert int(state.pool.num_free_blocks) == free_before - 3  # only block 3 of each group is new
+    assert int(state.num_computed[1]) == 53
+
+
+def test_identical_prompt_hits_all_but_last_block():
+    # An identical 48-token prompt (block 16) hits 32, not 48: the last token is always recomputed.
+    cfg = make_cfg(16, full(16), max_model_len=64, max_num_batched_tokens=64)
+    prefix = PrefixCacheConfig.for_config(cfg)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    keys = prompt_unit_hashes(list(range(48)), 16)
+    state, _ = _allocate(state, cfg, prefix, [(0, 48, 0)], _uploads({0: keys}))
+    assert _lookup(state, cfg, prefix, keys, 48) == 32
+
+
+def _state_with_cached(cfg, prefix, keys, cached_by_group):
+    """A state whose index holds, for group g, a block under keys of the units in cached_by_group[g]."""
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    entries = [(g, unit) for g, units in enumerate(cached_by_group) for unit in units]
+    blocks = np.arange(1, len(entries) + 1, dtype=np.int32)
+    entry_keys = np.asarray([keys[unit] for _, unit in entries], np.uint32).reshape(-1, 4)
+    groups = np.asarray([g for g, _ in entries], np.int32)
+    valid = np.ones(len(entries), bool)
+    index, placed = insert(state.prefix.index, blocks, entry_keys, groups, valid)
+    assert np.asarray(placed).all()
+    pool = mark_cached(state.pool, blocks, entry_keys, groups, valid)
+    state = ms.ManagerState(pool=pool, block_tables=state.block_tables, first_live_idx=state.first_live_idx,
+                            num_computed=state.num_computed, prefix=state.prefix.__class__(
+                                index=index, req_hashes=state.prefix.req_hashes,
+                                num_hashed_units=state.prefix.num_hashed_units,
+                                num_cached_blocks=state.prefix.num_cached_blocks))
+    check_invariants(cfg, state, prefix)
+    return state
+
+
+T, F = True, False
+
+
+@pytest.mark.parametrize("pattern, expected_blocks", [
+    ([T, T, F, T, F, F, T, T, F, T, T, T], 12),
+    ([T, T, F, T, F, F, T, T, F, F, F], 8),
+    ([T], 1),
+    ([T, T, F], 2),
+    ([T, T, T, F], 3),
+    ([F] * 10, 0),
+])
+def test_sliding_window_patterns(pattern, expected_blocks):
+    # Sliding window 4, block 2: a hit needs cdiv(3, 2) = 2 cached blocks before it, or a run from
+    # block 0. The request has 2 × len + 1 tokens (the last is never covered).
+    cfg = make_cfg(32, sliding(2, 4), max_model_len=32)
+    prefix = PrefixCacheConfig.for_config(cfg)
+    tokens = list(range(100, 100 + 2 * len(pattern) + 1))
+    keys = prompt_unit_hashes(tokens, 2)
+    state = _state_with_cached(cfg, prefix, keys, [[j for j, c in enumerate(pattern) if c]])
+    assert _lookup(state, cfg, prefix, keys, len(tokens)) == 2 * expected_blocks
+
+
+def test_fixed_point_vector():
+    # Groups full, SW(32), SW(64), block 16, 8 candidate blocks (a 129-token request): cached full
+    # 0-7, SW32 {2, 3, 6, 7}, SW64 {0-5}. SW64 shrinks 128 to 96, SW32 to 64, stable: 64.
+    cfg = make_cfg(64, full(16), sliding(16, 32), sliding(16, 64), max_model_len=256, max_num_batched_tokens=64)
+    prefix = PrefixCacheConfig.for_config(cfg)
+    tokens = list(range(129))
+    keys = prompt_unit_hashes(tokens, 16)
+    state = _state_with_cached(cfg, prefix, keys, [range(8), [2, 3, 6, 7], range(6)])
+    assert _lookup(state, cfg, prefix, keys, 129) == 64
+
+
+def test_stale_hit_is_refused_and_changes_nothing():
+    # A hit looked up, then evicted by another request's allocation, is refused: ok False, nothing taken.
+    cfg = make_cfg(9, full(2), max_model_len=16, max_num_batched_tokens=16)
+    prefix = PrefixCacheConfig.for_config(cfg)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    a, c = list(range(9)), list(range(50, 66))
+    state, _ = _allocate(state, cfg, prefix, [(0, 9, 0)], _uploads({0: prompt_unit_hashes(a, 2)}))
+    state = ms.free(state, _pad([0], NUM_SLOTS), cfg=cfg, prefix=prefix)
+    keys_b = prompt_unit_hashes(a[:8] + [77], 2)
+    assert _lookup(state, cfg, prefix, keys_b, 9) == 8
+    state, ok = _allocate(state, cfg, prefix, [(2, 16, 0)], _uploads({2: prompt_unit_hashes(c, 2)}))
+    assert ok == [True]  # 8 blocks: every free block, the cached ones evicted
+    before = jax.device_get(state)
+    state, ok = _allocate(state, cfg, prefix, [(1, 1, 8)], _uploads({1: keys_b}))
+    assert ok == [False]
+    after = jax.device_get(state)
+    np.testing.assert_array_equal(after.block_tables, before.block_tables)
+    np.testing.assert_array_equal(after.pool.ref_cnt, before.pool.ref_cnt)
+    assert int(after.pool.num_free_blocks) == int(before.pool.num_free_blocks)
+
+
+# ---- random sequences against the model, with a fake KV store ---------------------------------
+
+# (config, prefix_match_unit, chunk sizes): tiny pools so that eviction and preemption happen.
+CASES = {
+    "full_sw": (make_cfg(18, full(2), sliding(2, 4)), None, (3,)),
+    "all_kinds": (make_cfg(30, full(2), sliding(2, 4), chunked(2, 4), mamba(2)), None, (3,)),
+    "mixed_block_sizes": (make_cfg(40, full(2), sliding(4, 6), mamba(4)), None, (2, 5)),
+    "unit_below_block": (make_cfg(24, full(4), sliding(4, 6)), 2, None),
+}
+PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), (1, 2, 3, 4, 5, 6, 40, 41, 42, 43), (60, 61, 62, 63))
+
+
+class FakeKV:
+    """What the model would write: the token prefix ending at each computed position.
+
+    kv[(block, offset)] for attention blocks, state[block] for state blocks.
+    """
+
+    def __init__(self):
+        self.kv, self.state, self.prefix_of_key = {}, {}, {}
+
+    def computed(self, cfg, tables, slot, tokens, first, end):
+        """Positions [first, end) of `tokens` were computed into the slot's blocks."""
+        for g, group in enumerate(cfg.groups):
+            bs = group.block_size
+            if group.kind == "mamba":
+                if end > first:
+                    self.state[int(tables[g, slot, (end - 1) // bs])] = tuple(tokens[:end])
+                continue
+            for p in range(first, end):
+                self.kv[(int(tables[g, slot, p // bs]), p % bs)] = tuple(tokens[: p + 1])
+
+    def hashed(self, tokens, keys, unit):
+        for i, key in enumerate(keys):
+            self.prefix_of_key[tuple(int(w) for w in key)] = tuple(tokens[: (i + 1) * unit])
+
+    def check(self, cfg, state, live: dict[int, list[int]]):
+        """Every position each group still needs holds its prefix's value; so does every cached block."""
+        state = jax.device_get(state)
+        tables = np.asarray(state.block_tables)
+        for slot, tokens in live.items():
+            n = int(state.num_computed[slot])
+            for g, group in enumerate(cfg.groups):
+                bs = group.block_size
+                if group.kind == "mamba":
+                    if n:
+                        assert self.state[int(tables[g, slot, (n - 1) // bs])] == tuple(tokens[:n]), (slot, g)
+                    continue
+                first = {"sliding_window": lambda: max(0, n - group.spec.sliding_window + 1),
+                         "chunked_local": lambda: n // group.spec.attention_chunk_size
+                         * group.spec.attention_chunk_size}.get(group.kind, lambda: 0)()
+                for p in range(first, n):
+                    block = int(tables[g, slot, p // bs])
+                    assert block != NULL_BLOCK and self.kv[(block, p % bs)] == tuple(tokens[: p + 1]), (slot, g, p)
+        for (key, g), (block, _) in index_entries(state.prefix.index).items():
+            prefix, group = self.prefix_of_key[key], cfg.groups[g]
+            if group.kind == "mamba":
+                assert self.state[block] == prefix, (block, g)
+                continue
+            bs = group.block_size
+            for offset in range(bs):
+                assert self.kv[(block, offset)] == prefix[: len(prefix) - bs + offset + 1], (block, g, offset)
+
+
+def run_random_sequence(data, cfg, unit, chunk_sizes):
+    prefix = PrefixCacheConfig.for_config(cfg, unit)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    model = ModelState(cfg, NUM_SLOTS, prefix)
+    fake = FakeKV()
+    live: dict[int, list[int]] = {}  # slot -> tokens; insertion order = admission order
+    looked_up: dict[int, int] = {}  # slot -> the last hit its lookup returned (may go stale)
+    max_len = cfg.max_model_len
+
+    def keys_of(tokens):
+        keys = prompt_unit_hashes(tokens, prefix.unit)
+        fake.hashed(tokens, keys, prefix.unit)
+        return keys
+
+    for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
+        op = data.draw(st.sampled_from(["add", "lookup", "allocate", "allocate", "allocate", "free", "preempt"]))
+        if op == "add" and len(live) < NUM_SLOTS:
+            base = data.draw(st.sampled_from(PREFIXES), label="prefix")
+            tokens = list(base[: data.draw(st.integers(0, len(base)), label="shared")])
+            tokens += data.draw(st.lists(st.integers(70, 72), max_size=max_len - len(tokens)), label="tail")
+            if tokens:
+                live[min(set(range(NUM_SLOTS)) - set(live))] = tokens
+        elif op == "lookup" and live:
+            slot = data.draw(st.sampled_from(sorted(live)), label="lookup_slot")
+            if model.num_computed[slot] == 0:
+                tokens = live[slot]
+                hit = _lookup(state, cfg, prefix, keys_of(tokens), len(tokens))
+                assert hit == model.lookup(keys_of(tokens), len(tokens))
+                looked_up[slot] = hit
+        elif op == "allocate" and live:
+            slots = data.draw(st.permutations(sorted(live)), label="order")
+            slots = slots[: data.draw(st.integers(1, len(slots)), label="batch_size")]
+            new_tokens, full_tokens, hits = [], [], []
+            for slot in slots:
+                tokens, n = live[slot], model.num_computed[slot]
+                if n == len(tokens) and len(tokens) < max_len:
+                    tokens.append(data.draw(st.integers(70, 72), label="decoded"))  # decode it
+                # A hit only on the first call: the last lookup's value, possibly stale by now.
+                hit = looked_up.pop(slot, 0) if n == 0 and data.draw(st.booleans(), label="claim") else 0
+                hits.append(hit)
+                new_tokens.append(data.draw(st.integers(0, min(len(tokens) - n - hit, 8)), label="num_new_tokens"))
+                must_fit = n == 0 and data.draw(st.booleans(), label="must_fit")
+                full_tokens.append(len(tokens) if must_fit else 0)
+            others = sorted(set(live) - set(slots))
+            freed = data.draw(st.lists(st.sampled_from(others), unique=True), label="freed") if others else []
+            for slot in freed:
+                del live[slot]
+                looked_up.pop(slot, None)
+            uploads = {slot: keys_of(tokens) for slot, tokens in live.items()}
+            state, result = ms.allocate(
+                state, _pad(slots, NUM_SLOTS), _pad(new_tokens, 0), _pad(full_tokens, 0), _pad(freed, NUM_SLOTS),
+                _pad(hits, 0), _uploads(uploads), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
+            model.free(freed)
+            for slot, keys in uploads.items():
+                model.set_hashes(slot, keys)
+            expected_ok = model.allocate(slots, new_tokens, full_tokens, hits)
+            assert np.asarray(result.ok).tolist() == expected_ok + [False] * (NUM_SLOTS - len(slots))
+            assert int(result.num_free_blocks) == model.num_free_blocks
+            assert int(result.num_hit_tokens) == sum(h for h, ok in zip(hits, expected_ok) if ok)
+            tables = np.asarray(state.block_tables)
+            for slot, k, ok in zip(slots, new_tokens, expected_ok):
+                if ok:  # the step runs: the scheduled tokens' K/V and states are written
+                    end = model.num_computed[slot]
+                    fake.computed(cfg, tables, slot, live[slot], end - k, end)
+        elif op in ("free", "preempt") and live:
+            # preempt: the most recently admitted request loses its blocks and starts over.
+            slots = [list(live)[-1]] if op == "preempt" else data.draw(
+                st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True), label="free")
+            state = ms.free(state, _pad(slots, NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
+            model.free(slots)
+            for slot in slots:
+                tokens = live.pop(slot)
+                looked_up.pop(slot, None)
+                if op == "preempt":
+                    live[slot] = tokens
+        check_invariants(cfg, state, prefix)
+        assert_state_matches(state, model)
+        fake.check(cfg, state, live)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_random_sequences_jitted(case, data):
+    run_random_sequence(data, *CASES[case])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@settings(max_examples=2, deadline=None)
+@given(data=st.data())
+def test_random_sequences_eager(case, data):
+    with jax.disable_jit():
+        run_random_sequence(data, *CASES[case])
