@@ -23,7 +23,7 @@ def parse_args(argv=None):
     p.add_argument("--system-prompt-len", type=int, default=48)
     p.add_argument("--max-prompt-len", type=int, default=220, help="longest user part of a prompt")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=160, help="KV pool size, null block included")
+    p.add_argument("--num-blocks", type=int, default=100, help="KV pool size, null block included")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per on-device loop")

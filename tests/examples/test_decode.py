@@ -34,10 +34,12 @@ def one_device() -> str:
 
 
 def test_paged_loop_matches_dense_forward(one_device):
-    # Every logit row the loop computed (chunked prefill, windows, preemption, device decode loops).
+    # Every logit row the loop computed (chunked prefill, windows, prefix hits, preemption and
+    # resumption, device decode loops).
     assert re.search(r"check: \d+ logit rows of 8 requests .*; 0 mismatching requests", one_device)
     assert int(re.search(r"preemptions: (\d+)", one_device).group(1)) >= 1
     assert int(re.search(r"\((\d+) on-device loops", one_device).group(1)) >= 1
+    assert int(re.search(r"prefix-hit rate: (\d+)/", one_device).group(1)) > 0  # the shared system prompt
 
 
 def test_sharded_over_four_devices_gives_the_same_tokens(one_device):
