@@ -22,8 +22,8 @@ preempted and only when the whole request fits). A step is one
    (`free_batch`: recorded on the host, applied on the device at the start of
    the next step's dispatch).
 
-Model: Gemma-3-27B-like with vLLM's grouping (6 sliding-window groups of 10
-layers, window 1024, and one full-attention group; block size 16). Prints one
+Model: Gemma-3-27B-like, `plan(..., grouping="vllm")` (6 sliding-window groups of
+9, 9, 9, 9, 8, 8 layers, window 1024, and one full-attention group of 10; block size 16). Prints one
 JSON line; exits non-zero if a block is not back in the pool at the end.
 
     python benchmarks/serving_workload.py --workload /tmp/workload.json --json
@@ -46,28 +46,28 @@ from collections import deque
 
 import jax
 
-from jaxkv import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
+from jaxkv import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, plan
 from jaxkv.invariants import check_invariants
 from jaxkv.manager import KVCacheManager
 
-NUM_LAYERS, WINDOW, BLOCK_SIZE, GROUP_LAYERS = 62, 1024, 16, 10
+NUM_LAYERS, WINDOW, BLOCK_SIZE = 62, 1024, 16
 
 
 def gemma3_27b_config(num_blocks: int, max_model_len: int, max_num_batched_tokens: int) -> KVCacheConfig:
-    """Gemma-3-27B-like, grouped as vLLM groups it: layer i is full attention iff i % 6 == 5."""
-
-    def layer(i):
-        return f"model.layers.{i}.self_attn.attn"
-
-    full = [layer(i) for i in range(NUM_LAYERS) if i % 6 == 5]
-    sliding = [layer(i) for i in range(NUM_LAYERS) if i % 6 != 5]
+    """Gemma-3-27B-like (layer i is full attention iff i % 6 == 5), planned with vLLM's grouping
+    (6 sliding-window groups of 9, 9, 9, 9, 8, 8 layers and one full group of 10) for a pool
+    of exactly `num_blocks` blocks."""
     kw = dict(block_size=BLOCK_SIZE, num_kv_heads=16, head_size=128, dtype="bfloat16")
-    groups = tuple(
-        KVCacheGroup(layer_names=tuple(sliding[i : i + GROUP_LAYERS]), spec=SlidingWindowSpec(**kw, sliding_window=WINDOW))
-        for i in range(0, len(sliding), GROUP_LAYERS)
-    ) + (KVCacheGroup(layer_names=tuple(full), spec=FullAttentionSpec(**kw)),)
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=(), max_model_len=max_model_len,
-                         max_num_batched_tokens=max_num_batched_tokens)
+    layers = {
+        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(**kw) if i % 6 == 5
+        else SlidingWindowSpec(**kw, sliding_window=WINDOW)
+        for i in range(NUM_LAYERS)
+    }
+    plan_args = dict(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, grouping="vllm")
+    bytes_per_block = plan(layers, 1 << 50, **plan_args).bytes_per_block
+    cfg = plan(layers, num_blocks * bytes_per_block, **plan_args)
+    assert cfg.num_blocks == num_blocks, (cfg.num_blocks, num_blocks)
+    return cfg
 
 
 def sync_cpu_dispatch() -> None:
