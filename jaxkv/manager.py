@@ -169,7 +169,7 @@ class KVCacheManager:
         while width < max(num_units):
             width *= 4
         width = min(width, self.prefix_config.num_units(self.cfg))
-        num_rows = self._num_rows(len(slots))
+        num_rows = 1 if len(slots) == 1 else self._num_rows(len(slots))
         keys = np.zeros((num_rows, width, 4), np.uint32)
         rows = np.zeros((2, num_rows), np.int32)
         for i, s in enumerate(slots.tolist()):

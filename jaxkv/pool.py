@@ -294,8 +294,11 @@ def claim(pool: PoolState, blocks, valid) -> tuple[PoolState, jax.Array]:
     finds_free = valid & (pool.ref_cnt[safe_blocks] == 0) & (safe_blocks != NULL_BLOCK)
     free_idx = jnp.where(finds_free, blocks, num_pool_blocks)
     ref_cnt = pool.ref_cnt.at[free_idx].min(code, mode="drop")
-    was_free = finds_free & (ref_cnt[safe_blocks] == code)
-    ref_cnt = ref_cnt.at[free_idx].set(0, mode="drop")
+    read = ref_cnt[safe_blocks]
+    was_free = finds_free & (read == code)
+    # The reset value depends on the read (counts stay far below 2^30): XLA orders the read
+    # first and scatters in place instead of copying the counts.
+    ref_cnt = ref_cnt.at[free_idx].set(jnp.where(read > 2**30, read, 0), mode="drop")
     ref_cnt = ref_cnt.at[jnp.where(valid, blocks, num_pool_blocks)].add(1, mode="drop")
     pool = dataclasses.replace(pool, ref_cnt=ref_cnt,
                                num_free_blocks=pool.num_free_blocks - jnp.sum(was_free, dtype=jnp.int32))
@@ -317,8 +320,9 @@ def unclaim(pool: PoolState, blocks, valid) -> PoolState:
     now_free = valid & (ref_cnt[safe_blocks] == 0)
     free_idx = jnp.where(now_free, blocks, num_pool_blocks)
     ref_cnt = ref_cnt.at[free_idx].min(code, mode="drop")
-    first = now_free & (ref_cnt[safe_blocks] == code)
-    ref_cnt = ref_cnt.at[free_idx].set(0, mode="drop")
+    read = ref_cnt[safe_blocks]
+    first = now_free & (read == code)
+    ref_cnt = ref_cnt.at[free_idx].set(jnp.where(read > 2**30, read, 0), mode="drop")  # in place, as in `claim`
     return dataclasses.replace(pool, ref_cnt=ref_cnt,
                                num_free_blocks=pool.num_free_blocks + jnp.sum(first, dtype=jnp.int32))
 

@@ -169,12 +169,15 @@ def remove(index: IndexState, blocks, valid) -> IndexState:
     num_blocks = index.block_slot.shape[0]
     num_slots = index.num_buckets * index.num_ways
     safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
-    slot = index.block_slot[safe_blocks]
-    slot = jnp.where(valid & (slot != NOT_INDEXED), slot, num_slots)
+    read = index.block_slot[safe_blocks]
+    slot = jnp.where(valid & (read != NOT_INDEXED), read, num_slots)
     flat = index.slots.reshape(num_slots, SLOT_WORDS).at[slot, BLOCK_WORD].set(NULL_BLOCK, mode="drop")
+    # The written value depends on the read (slots are ≥ −1): XLA orders the read first and
+    # writes in place instead of copying block_slot.
+    not_indexed = jnp.where(read < NOT_INDEXED, read, NOT_INDEXED)
     return IndexState(
         slots=flat.reshape(index.slots.shape),
-        block_slot=index.block_slot.at[jnp.where(valid, blocks, num_blocks)].set(NOT_INDEXED, mode="drop"),
+        block_slot=index.block_slot.at[jnp.where(valid, blocks, num_blocks)].set(not_indexed, mode="drop"),
     )
 
 

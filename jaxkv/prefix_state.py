@@ -44,9 +44,9 @@ import numpy as np
 from jaxkv.config import KVCacheConfig
 from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, mark_cached, unclaim
 from jaxkv.prefix_cache import DEFAULT_WAYS, IndexState, init_index, insert, probe
-from jaxkv.prefix_rules import HitRule, group_hit_lens, prefix_hit_len
+from jaxkv.prefix_rules import HitRule, valid_hit_blocks
 from jaxkv.ranges import in_chunks, range_chunk, range_layout
-from jaxkv.specs import NULL_BLOCK, cdiv
+from jaxkv.specs import NULL_BLOCK
 
 UPLOAD_WORDS = 2 + HASH_WORDS  # an uploaded key: slot, unit index, key words
 
@@ -362,11 +362,13 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
            chunk_sizes) -> tuple[jax.Array, PrefixStats]:
     """The longest prefix-cache hit of each request, valid for every group; changes nothing.
 
-    keys:       uint32[R, X, 4] the requests' unit keys (from the host), X ≤ U
+    keys:       uint32[R, X, 4] the requests' unit keys (from the host)
     num_keys:   int32[R] keys given per request (0: padding row)
     num_tokens: int32[R] the requests' tokens (the hit stays below the last one)
-    Returns (hit_len int32[R], stats). Every group's candidate blocks up to the bound are
-    probed, in chunks; `prefix_rules.prefix_hit_len` intersects the groups' valid lengths.
+    Returns (hit_len int32[R], stats). Every group's candidate blocks up to the bound
+    (at most X units) are probed, in chunks; then each group's valid hit lengths
+    (`prefix_rules.valid_hit_blocks`) are intersected on a grid of gcd(block sizes)
+    tokens, as `prefix_rules.prefix_hit_len` does.
     """
     rules = hit_rules(cfg)
     keys, num_keys, num_tokens = jnp.asarray(keys), jnp.asarray(num_keys), jnp.asarray(num_tokens)
@@ -374,10 +376,11 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     num_groups = len(rules)
     block_sizes = np.asarray([r.block_size for r in rules], np.int32)
     units_per_block = (block_sizes // prefix.unit).astype(np.int32)
-    widths = [cdiv(cfg.max_model_len, int(b)) for b in block_sizes]
+    widths = (num_keys_max // units_per_block).tolist()  # candidate blocks per group
     max_width = max(widths)
-    bound = jnp.minimum(jnp.maximum(num_tokens - 1, 0), num_keys * prefix.unit)  # [R]
-    count = jnp.minimum(bound[:, None] // block_sizes[None, :], num_keys_max // units_per_block[None, :])  # [R, G]
+    valid_tokens = jnp.where(num_keys > 0, num_tokens, 0)
+    bound = jnp.minimum(jnp.maximum(valid_tokens - 1, 0), num_keys * prefix.unit)  # [R]
+    count = bound[:, None] // block_sizes[None, :]  # [R, G]
     layout = range_layout(count.reshape(-1), max_entries=count.size * max_width)
 
     def probe_body(size):
@@ -393,17 +396,22 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
         return probe_chunk
 
     cached = in_chunks(layout[-1], chunk_sizes, probe_body, jnp.zeros((num_rows, num_groups, max_width), bool))
-    per_group = tuple(cached[:, g, : widths[g]] for g in range(num_groups))
-    valid_tokens = jnp.where(num_keys > 0, num_tokens, 0)
-    hit_len = prefix_hit_len(rules, per_group, valid_tokens)
-    own = group_hit_lens(rules, per_group, valid_tokens)  # [R, G]
-    is_full = np.asarray([r.kind == "full" for r in rules])
-    full_len = jnp.max(jnp.where(is_full[None, :], own, 0), axis=1)
-    row = num_keys > 0
+    step = math.gcd(*block_sizes.tolist())
+    hit_lens = np.arange(0, num_keys_max * prefix.unit + 1, step, dtype=np.int32)  # the grid
+    ok = hit_lens[None, :] <= bound[:, None]  # [R, grid]
+    own = []  # each group's own longest valid hit
+    for g, rule in enumerate(rules):
+        valid = valid_hit_blocks(rule, cached[:, g, : widths[g]])  # [R, W_g + 1]
+        lens = np.arange(widths[g] + 1, dtype=np.int32) * rule.block_size
+        own.append(jnp.max(jnp.where(valid & (lens[None, :] <= bound[:, None]), lens, 0), axis=1))
+        ok &= (hit_lens % rule.block_size == 0) & valid[:, hit_lens // rule.block_size]
+    hit_len = jnp.max(jnp.where(ok, hit_lens, 0), axis=1)
+    is_full = [r.kind == "full" for r in rules]
+    full_len = jnp.max(jnp.stack([o for o, f in zip(own, is_full) if f] or [hit_len]), axis=0)
     stats = PrefixStats(
-        num_lookups=jnp.sum(row, dtype=jnp.int32),
+        num_lookups=jnp.sum(num_keys > 0, dtype=jnp.int32),
         num_lookup_tokens=jnp.sum(valid_tokens, dtype=jnp.int32),
         num_hit_tokens=jnp.sum(hit_len, dtype=jnp.int32),
-        num_reconciliation_miss_tokens=jnp.sum(jnp.maximum(full_len - hit_len, 0), dtype=jnp.int32),
+        num_reconciliation_miss_tokens=jnp.sum(full_len - hit_len, dtype=jnp.int32),
     )
     return hit_len, stats

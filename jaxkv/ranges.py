@@ -78,3 +78,12 @@ def table_ranges(shape, slots, start, count, stride=None):
     first = (g * num_slots + slots[:, None]) * max_blocks + start
     step = jnp.ones_like(start) if stride is None else stride
     return count.reshape(-1), first.reshape(-1), step.reshape(-1)
+
+
+def run_if(flag, body, carry):
+    """`body(carry)` if `flag` (bool[]) else `carry`, as a loop of 0 or 1 steps.
+
+    A loop carries the state in place where `lax.cond` would copy it, and its
+    body (range layouts included) costs nothing when it runs zero steps.
+    """
+    return lax.fori_loop(0, flag.astype(jnp.int32), lambda _, c: body(c), carry)

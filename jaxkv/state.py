@@ -42,6 +42,7 @@ from jaxkv.prefix_cache import remove
 from jaxkv.ranges import in_chunks as _in_chunks
 from jaxkv.ranges import range_chunk as _range_chunk
 from jaxkv.ranges import range_layout as _range_layout
+from jaxkv.ranges import run_if
 from jaxkv.ranges import table_ranges as _table_ranges
 from jaxkv.specs import NULL_BLOCK, cdiv
 
@@ -452,34 +453,43 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
     claim_count = jnp.where(hit_ok[:, None], hit_blocks - claim_start, 0)
     num_taken_free = jnp.zeros_like(n[:, 0])
     if num_hit_tokens is not None:
-        state, num_found, num_taken_free = ps.claim_hits(state, slots, claim_start, claim_count, rules=rules,
-                                                         prefix=prefix, chunk_sizes=sizes)
+        state, num_found, num_taken_free = run_if(
+            jnp.any(hit_ok),
+            lambda carry: ps.claim_hits(carry[0], slots, claim_start, claim_count, rules=rules, prefix=prefix,
+                                        chunk_sizes=sizes),
+            (state, num_taken_free, num_taken_free))
         hit_ok = hit_ok & (num_found == jnp.sum(claim_count, axis=1))
     n = jnp.where(hit_ok[:, None], hit_len, n)
     first_live = jnp.where(hit_ok[:, None], claim_start, state.first_live_idx[:, slots].T)  # [R, G]
     keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
 
-    # 3. The rows in order.
+    # 3. The rows in order. The blocks releases free matter only if the rows do not all fit without.
     num_released = jnp.where(row[:, None], num_released, 0)
-    num_freed = ps.count_sole_holders(state, slots, first_live, num_released, chunk_sizes=sizes)
     num_take = jnp.sum(need, axis=1) + num_taken_free
+    full_take = 0
+    if num_full_tokens is not None:
+        full = jnp.where(row, num_full_tokens, 0)[:, None]
+        full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
+        full_take = jnp.sum(jnp.maximum(full_blocks - -(-n // rules.block_size), 0), axis=1) + num_taken_free
+    all_fit = jnp.sum(num_take) + jnp.max(jnp.maximum(full_take - num_take, 0)) <= num_free
+    num_freed = run_if(~all_fit, lambda _: ps.count_sole_holders(state, slots, first_live, num_released,
+                                                                  chunk_sizes=sizes), jnp.zeros_like(num_take))
     scans = cumsum(jnp.stack([num_take, num_freed]), bound=num_take.shape[0] * num_groups * max_blocks)
     take_before = scans[0] - num_take
     free_before = num_free + scans[1] - num_freed
     fits = (take_before + num_take <= free_before + num_freed) & (hit_ok | ~hit)
     gate = jnp.ones_like(fits)
     if num_full_tokens is not None:
-        full = jnp.where(row, num_full_tokens, 0)[:, None]
-        full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
-        full_need = jnp.sum(jnp.maximum(full_blocks - -(-n // rules.block_size), 0), axis=1)
-        gate = (full[:, 0] == 0) | (take_before + full_need + num_taken_free <= free_before)
+        gate = (full[:, 0] == 0) | (take_before + full_take <= free_before)
     row_idx = jnp.arange(fits.shape[0], dtype=jnp.int32)
     first_failed = jnp.min(jnp.where(fits & gate, fits.shape[0], row_idx))
     ok = row & (row_idx < first_failed)
     releasing = row & ~hit & ((row_idx < first_failed) | ((row_idx == first_failed) & gate))
     if num_hit_tokens is not None:
-        state = ps.unclaim_hits(state, slots, claim_start, jnp.where(ok[:, None], 0, claim_count),
-                                chunk_sizes=sizes)
+        unclaim_count = jnp.where(ok[:, None], 0, claim_count)
+        state = run_if(jnp.any(unclaim_count > 0),
+                       lambda state: ps.unclaim_hits(state, slots, claim_start, unclaim_count, chunk_sizes=sizes),
+                       state)
 
     # 4. Releases, new blocks, caching.
     ranges = _table_ranges(shape, slots, first_live, jnp.where(releasing[:, None], num_released, 0))
