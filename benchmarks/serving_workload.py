@@ -22,6 +22,11 @@ preempted and only when the whole request fits). A step is one
    (`free_batch`: recorded on the host, applied on the device at the start of
    the next step's dispatch).
 
+Prefix caching is on (`--no-prefix-caching` turns it off): every prompt is hashed
+when the replay starts (request arrival; timed apart, as vLLM's peer times
+creating its requests), each admission candidate is looked up
+(`get_computed_tokens`, timed) and its hit claimed in the batch.
+
 Model: Gemma-3-27B-like, `plan(..., grouping="vllm")` (6 sliding-window groups of
 9, 9, 9, 9, 8, 8 layers, window 1024, and one full-attention group of 10; block size 16). Prints one
 JSON line; exits non-zero if a block is not back in the pool at the end.
@@ -46,7 +51,7 @@ from collections import deque
 
 import jax
 
-from jaxkv import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, plan
+from jaxkv import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, UnitHasher, plan
 from jaxkv.invariants import check_invariants
 from jaxkv.manager import KVCacheManager
 
@@ -86,7 +91,8 @@ def output_token(request_id: int, k: int, vocab: int) -> int:
 
 
 class Request:
-    __slots__ = ("idx", "token_ids", "num_prompt", "output_len", "num_output", "num_computed", "num_preemptions")
+    __slots__ = ("idx", "token_ids", "num_prompt", "output_len", "num_output", "num_computed", "num_preemptions",
+                 "hasher")
 
     def __init__(self, doc):
         self.idx = doc["id"]
@@ -96,6 +102,7 @@ class Request:
         self.num_output = 0
         self.num_computed = 0
         self.num_preemptions = 0
+        self.hasher = None  # UnitHasher of the request's tokens (prefix caching)
 
 
 def warm_up(mgr: KVCacheManager) -> float:
@@ -109,16 +116,22 @@ def replay(args, workload: dict, trace=None) -> dict:
     """Runs the workload once; `trace`, an open text file, gets one JSON line per step."""
     vocab = workload["vocab"]
     cfg = gemma3_27b_config(args.num_blocks, args.max_model_len, args.max_num_batched_tokens)
-    mgr = KVCacheManager(cfg, max_num_seqs=args.max_num_seqs, enable_prefix_caching=True)
+    caching = not args.no_prefix_caching
+    mgr = KVCacheManager(cfg, max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching)
     compile_s = warm_up(mgr)
     total_blocks = cfg.num_blocks - 1
 
     waiting = deque(Request(doc) for doc in workload["requests"])
+    t_hash = time.perf_counter()
+    for req in waiting if caching else ():  # at arrival
+        req.hasher = UnitHasher(mgr.prefix_config.unit)
+        req.hasher.extend(req.token_ids)
+    hash_s = time.perf_counter() - t_hash
     num_requests = len(waiting)
     running: list[Request] = []
     pc = time.perf_counter
     step_kv_us: list[float] = []
-    call_us = {"allocate": 0.0, "add_request": 0.0, "free": 0.0, "append": 0.0}
+    call_us = {"allocate": 0.0, "add_request": 0.0, "lookup": 0.0, "free": 0.0, "append": 0.0}
     calls = dict.fromkeys(call_us, 0)
     hit_tokens = peak_used = preemptions = admission_failures = admitted = finished = tokens_scheduled = 0
     t_wall = pc()
@@ -154,8 +167,8 @@ def replay(args, workload: dict, trace=None) -> dict:
         for req in waiting:
             if len(running) + len(candidates) >= args.max_num_seqs or budget <= 0:
                 break
-            timed("add_request", mgr.add_request, req.idx, req.token_ids)
-            hit = mgr.get_computed_tokens(req.idx)
+            timed("add_request", mgr.add_request, req.idx, req.token_ids, unit_hasher=req.hasher)
+            hit = timed("lookup", mgr.get_computed_tokens, req.idx) if caching else 0
             n = min(len(req.token_ids) - hit, budget)
             candidates.append((req, n, hit))
             budget -= n
@@ -251,6 +264,9 @@ def replay(args, workload: dict, trace=None) -> dict:
         "mean_us_per_call": {k: call_us[k] / calls[k] if calls[k] else 0.0 for k in call_us},
         "compile_s": compile_s,
         "prefix_hit_tokens": hit_tokens,
+        "prefix_stats": mgr.prefix_stats,
+        "prompt_hash_s": hash_s,
+        "prompt_hash_ns_per_token": hash_s * 1e9 / max(1, sum(len(doc["prompt"]) for doc in workload["requests"])),
         "peak_blocks_used": peak_used,
         "admitted": admitted,
         "admission_failures": admission_failures,
@@ -269,6 +285,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     p.add_argument("--warmup-replays", type=int, default=1, help="untimed replays first (0: time the first one)")
     p.add_argument("--trace", default=None, help="write each step's scheduled rows, preemptions and free "
                    "blocks (JSONL), for benchmarks/compare_vllm_trace.py")

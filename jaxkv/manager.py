@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxkv import state as st
 from jaxkv.config import KVCacheConfig
-from jaxkv.hashing import HashMode, UnitHasher
+from jaxkv.hashing import HashMode, UnitHasher, digests_to_keys
 from jaxkv.invariants import check_invariants
 from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig, store_hashes
 from jaxkv.specs import cdiv
@@ -123,13 +123,31 @@ class KVCacheManager:
         self._pending_free: list[int] = []  # slots freed on the host, not yet on the device
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], cache_salt: str | None = None):
-        """Registers a request and its prompt; takes a slot, no blocks."""
+    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], cache_salt: str | None = None, *,
+                    unit_hasher: UnitHasher | None = None):
+        """Registers a request and its prompt; takes a slot, no blocks.
+
+        With prefix caching the prompt's full units are hashed here, unless `unit_hasher`
+        (a `jaxkv.hashing.UnitHasher` of this manager's unit that has taken exactly these
+        tokens, its salt included) brings them: hashing at request arrival, as vLLM does.
+        The manager extends it with the tokens `append_token_ids` records.
+        """
         if request_id in self._slot_of:
             raise ValueError(f"request {request_id!r} was already added; free it first or use a new id")
-        if cache_salt is not None and not self.enable_prefix_caching:
-            raise ValueError(f"{cache_salt=} given, but prefix caching is off; "
-                             "drop the salt or create the manager with enable_prefix_caching=True")
+        if (cache_salt is not None or unit_hasher is not None) and not self.enable_prefix_caching:
+            what = f"{cache_salt=}" if cache_salt is not None else "unit_hasher"
+            raise ValueError(f"{what} given, but prefix caching is off; "
+                             "drop it or create the manager with enable_prefix_caching=True")
+        if unit_hasher is not None:
+            if cache_salt is not None:
+                raise ValueError(f"{cache_salt=} and unit_hasher given: the hasher carries the salt")
+            if unit_hasher.unit != self.prefix_config.unit or unit_hasher.mode != self.hash_mode:
+                raise ValueError(f"unit_hasher hashes units of {unit_hasher.unit} tokens in mode "
+                                 f"{unit_hasher.mode!r}; this manager uses {self.prefix_config.unit}, "
+                                 f"{self.hash_mode!r}")
+            if unit_hasher.num_tokens != len(prompt_token_ids):
+                raise ValueError(f"unit_hasher has taken {unit_hasher.num_tokens} tokens, the prompt of request "
+                                 f"{request_id!r} has {len(prompt_token_ids)}")
         if not self._free_slots:
             raise ValueError(f"the manager already holds max_num_seqs={self.max_num_seqs} requests; "
                              f"free one before adding {request_id!r}, or raise max_num_seqs")
@@ -145,9 +163,12 @@ class KVCacheManager:
         self._num_tokens[slot] = len(token_ids)
         self._num_computed[slot] = 0
         if self.prefix_config is not None:
-            hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
-            self._hashers[slot] = hasher
-            self._keys[slot] = hasher.extend(token_ids)
+            if unit_hasher is None:
+                unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
+                self._keys[slot] = unit_hasher.extend(token_ids)
+            else:
+                self._keys[slot] = digests_to_keys(unit_hasher.digests)
+            self._hashers[slot] = unit_hasher
             self._queue_upload(slot, 0, len(self._keys[slot]))
 
     def get_computed_tokens(self, request_id: Hashable) -> int:

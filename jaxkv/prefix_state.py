@@ -135,11 +135,20 @@ def init_prefix_state(cfg: KVCacheConfig, prefix: PrefixCacheConfig, max_num_seq
     """An empty index; no request hashed."""
     num_units = prefix.num_units(cfg)
     return PrefixState(
-        index=init_index(cfg.num_blocks, prefix.ways),
+        index=init_index(cfg.num_blocks, len(cfg.groups), num_index_entries(cfg), prefix.ways),
         req_hashes=jnp.zeros((max_num_seqs, num_units, HASH_WORDS), jnp.uint32),
         num_hashed_units=jnp.zeros(max_num_seqs, jnp.int32),
         num_cached_blocks=jnp.zeros((len(cfg.groups), max_num_seqs), jnp.int32),
     )
+
+
+def num_index_entries(cfg: KVCacheConfig) -> int:
+    """Index entries a full pool needs: one per block-end unit, each holding the blocks that end there.
+
+    Per token, the finest group has 1 / min(b) block ends and all groups Σ 1 / b blocks.
+    """
+    sizes = [g.block_size for g in cfg.groups]
+    return max(1, int(cfg.num_blocks / min(sizes) / sum(1 / b for b in sizes)))
 
 
 def check_prefix_config(cfg: KVCacheConfig, prefix_state: PrefixState, prefix: PrefixCacheConfig | None):
@@ -179,26 +188,96 @@ def forget_slots(prefix_state: PrefixState, scatter_slots) -> PrefixState:
 
 
 def _units_per_block(rules, prefix: PrefixCacheConfig) -> np.ndarray:
+    """int32[G]: hash units per block of each group."""
     return (rules.block_size // prefix.unit).astype(np.int32)
 
 
-def _block_key(prefix_state: PrefixState, slot, group, block_idx, units_per_block):
-    """uint32[K, 4]: the key of table entry (group, slot, block_idx) [K]: its request's unit key at the block's end."""
-    unit = (block_idx + 1) * jnp.asarray(units_per_block)[group] - 1
-    num_units = prefix_state.req_hashes.shape[1]
-    return prefix_state.req_hashes.at[slot, jnp.clip(unit, 0, num_units - 1)].get(mode="fill", fill_value=0)
+def _end_units(block_start, block_count, units_per_block: np.ndarray):
+    """The block-end units of blocks [start, start + count) int32[R, G], on a grid of s = gcd(units per block).
 
-
-def _chunk_entries(layout, chunk_idx, size, first, num_groups, num_slots, max_blocks):
-    """Decodes a chunk of table ranges laid out from `first` int32[Q] (Q = R × G, row-major).
-
-    Returns (in_range [K], row [K], group [K], slot [K], block_idx [K], flat table index [K]).
+    Returns (first grid step int32[R], steps int32[R]): grid step k is unit (k + 1)·s − 1.
+    Rows without blocks get 0 steps.
     """
-    in_range, range_id, offset = range_chunk(layout, chunk_idx, size)
-    flat = first[range_id] + offset
-    group = flat // (num_slots * max_blocks)
-    slot = flat // max_blocks % num_slots
-    return in_range, range_id // num_groups, group, slot, flat % max_blocks, flat
+    step = math.gcd(*units_per_block.tolist())
+    has = block_count > 0
+    first = jnp.where(has, (block_start + 1) * units_per_block // step - 1, np.iinfo(np.int32).max)
+    last = jnp.where(has, (block_start + block_count) * units_per_block // step, 0)
+    first_k = jnp.min(first, axis=1)
+    return jnp.where(jnp.any(has, axis=1), first_k, 0), jnp.maximum(jnp.max(last, axis=1) - first_k, 0)
+
+
+def _unit_blocks(k, units_per_block: np.ndarray, block_start, block_count):
+    """At grid steps k int32[K] of rows with block ranges [start, start + count) int32[K, G]:
+
+    (unit int32[K], block_idx int32[K, G], wanted bool[K, G]: the unit ends block block_idx
+    of the group, inside the range).
+    """
+    step = math.gcd(*units_per_block.tolist())
+    unit = (k + 1) * step - 1
+    ends = (unit[:, None] + 1) % units_per_block[None, :] == 0
+    block_idx = (unit[:, None] + 1) // units_per_block[None, :] - 1
+    wanted = ends & (block_idx >= block_start) & (block_idx < block_start + block_count)
+    return unit, block_idx, wanted
+
+
+def _walk_units(state, slots, block_start, block_count, rules, prefix, chunk_sizes, body, carry):
+    """Runs `body(carry, in_range [K], row [K], slot [K], unit [K], block_idx [K, G], wanted [K, G], keys [K, 4])`
+    over the block-end units of every row's block ranges [start, start + count) int32[R, G], in chunks."""
+    units_per_block = _units_per_block(rules, prefix)
+    first_k, num_k = _end_units(block_start, block_count, units_per_block)
+    req_hashes = state.prefix.req_hashes  # unchanged by the walk
+    num_units = req_hashes.shape[1]
+    layout = range_layout(num_k, max_entries=num_k.shape[0] * num_units)
+
+    def walk_body(size):
+        def walk_chunk(chunk_idx, carry):
+            in_range, row, offset = range_chunk(layout, chunk_idx, size)
+            unit, block_idx, wanted = _unit_blocks(first_k[row] + offset, units_per_block, block_start[row],
+                                                   block_count[row])
+            slot = slots[row]
+            keys = req_hashes.at[slot, jnp.clip(unit, 0, num_units - 1)].get(mode="fill", fill_value=0)
+            return body(carry, in_range, row, slot, unit, block_idx, wanted & in_range[:, None], keys)
+
+        return walk_chunk
+
+    return in_chunks(layout[-1], chunk_sizes, walk_body, carry)
+
+
+def _table_index(shape, group, slot, block_idx):
+    """int32[K, G]: flat index into block_tables [G, S, M] of (group [G], slot [K], block_idx [K, G])."""
+    num_groups, num_slots, max_blocks = shape
+    return (group[None, :] * num_slots + slot[:, None]) * max_blocks + block_idx
+
+
+def claim_hits(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
+    """Claims table entries [start, start + count) int32[R, G] of rows `slots` int32[R] from the index.
+
+    Each block-end unit of the ranges probes the index once with the request's key
+    there (all groups at once); every wanted block found goes into the table and gets
+    a reference (`pool.claim`). Returns (state, num_found int32[R], num_taken_free
+    int32[R]: claimed blocks that were free, each counted once, at the first row that
+    claims it). Rows must have empty tables.
+    """
+    shape = state.block_tables.shape
+    num_groups, num_rows = shape[0], slots.shape[0]
+    groups = np.arange(num_groups, dtype=np.int32)
+    tables_size = math.prod(shape)
+
+    def body(carry, in_range, row, slot, unit, block_idx, wanted, keys):
+        state, num_found, num_taken = carry
+        block = jnp.where(wanted, probe(state.prefix.index, keys, in_range), NULL_BLOCK)  # [K, G]
+        found = block != NULL_BLOCK
+        pool, was_free = claim(state.pool, block.reshape(-1), found.reshape(-1))
+        flat = jnp.where(found, _table_index(shape, groups, slot, block_idx), tables_size)
+        tables = state.block_tables.reshape(-1).at[flat.reshape(-1)].set(block.reshape(-1), mode="drop")
+        row = jnp.where(in_range, row, num_rows)
+        num_found = num_found.at[row].add(jnp.sum(found, axis=1, dtype=jnp.int32), mode="drop")
+        num_taken = num_taken.at[row].add(jnp.sum(was_free.reshape(found.shape), axis=1, dtype=jnp.int32),
+                                          mode="drop")
+        return dataclasses.replace(state, pool=pool, block_tables=tables.reshape(shape)), num_found, num_taken
+
+    zeros = jnp.zeros(num_rows, jnp.int32)
+    return _walk_units(state, slots, start, count, rules, prefix, chunk_sizes, body, (state, zeros, zeros))
 
 
 def _flat_first(shape, slots, start):
@@ -208,39 +287,13 @@ def _flat_first(shape, slots, start):
     return ((g * num_slots + slots[:, None]) * max_blocks + start).reshape(-1)
 
 
-def claim_hits(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
-    """Claims table entries [start, start + count) int32[R, G] of rows `slots` int32[R] from the index.
+def _table_entries(layout, chunk_idx, size, first, num_groups):
+    """Decodes a chunk of table ranges laid out from `first` int32[Q] (Q = R × G, row-major).
 
-    Each entry probes the index with its block's key; a found block goes into the
-    table and gets a reference (`pool.claim`). Returns (state, num_found int32[R],
-    num_taken_free int32[R]: claimed blocks that were free, each counted once, at the
-    first row that claims it). Rows must have empty tables.
+    Returns (in_range [K], row [K], flat table index [K]).
     """
-    shape = state.block_tables.shape
-    num_rows = slots.shape[0]
-    first = _flat_first(shape, slots, start)
-    layout = range_layout(count.reshape(-1), max_entries=count.size * shape[2])
-    units_per_block = _units_per_block(rules, prefix)
-    tables_size = math.prod(shape)
-
-    def claim_body(size):
-        def claim_chunk(chunk_idx, carry):
-            state, num_found, num_taken = carry
-            in_range, row, group, slot, block_idx, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
-            keys = _block_key(state.prefix, slot, group, block_idx, units_per_block)
-            block = probe(state.prefix.index, keys, group, in_range)
-            found = block != NULL_BLOCK
-            pool, was_free = claim(state.pool, block, found)
-            tables = state.block_tables.reshape(-1).at[jnp.where(found, flat, tables_size)].set(block, mode="drop")
-            row = jnp.where(in_range, row, num_rows)
-            num_found = num_found.at[row].add(found.astype(jnp.int32), mode="drop")
-            num_taken = num_taken.at[row].add(was_free.astype(jnp.int32), mode="drop")
-            return dataclasses.replace(state, pool=pool, block_tables=tables.reshape(shape)), num_found, num_taken
-
-        return claim_chunk
-
-    zeros = jnp.zeros(num_rows, jnp.int32)
-    return in_chunks(layout[-1], chunk_sizes, claim_body, (state, zeros, zeros))
+    in_range, range_id, offset = range_chunk(layout, chunk_idx, size)
+    return in_range, range_id // num_groups, first[range_id] + offset
 
 
 def unclaim_hits(state, slots, start, count, *, chunk_sizes):
@@ -255,7 +308,7 @@ def unclaim_hits(state, slots, start, count, *, chunk_sizes):
 
     def unclaim_body(size):
         def unclaim_chunk(chunk_idx, state):
-            in_range, _, _, _, _, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
+            in_range, _, flat = _table_entries(layout, chunk_idx, size, first, shape[0])
             idx = jnp.where(in_range, flat, tables_size)
             tables = state.block_tables.reshape(-1)
             block = tables.at[idx].get(mode="fill", fill_value=NULL_BLOCK)
@@ -282,7 +335,7 @@ def count_sole_holders(state, slots, start, count, *, chunk_sizes):
 
     def count_body(size):
         def count_chunk(chunk_idx, num_sole):
-            in_range, row, _, _, _, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
+            in_range, row, flat = _table_entries(layout, chunk_idx, size, first, shape[0])
             block = state.block_tables.reshape(-1).at[jnp.where(in_range, flat, tables_size)].get(
                 mode="fill", fill_value=NULL_BLOCK)
             sole = (block != NULL_BLOCK) & (state.pool.ref_cnt[block] == 1)
@@ -293,36 +346,33 @@ def count_sole_holders(state, slots, start, count, *, chunk_sizes):
     return in_chunks(layout[-1], chunk_sizes, count_body, jnp.zeros(num_rows, jnp.int32))
 
 
-def _index_blocks(state, blocks, keys, group, valid):
-    """Indexes `blocks` [K] under (keys [K, 4], group [K]) where valid; marks the placed ones cached."""
-    index, placed = insert(state.prefix.index, blocks, keys, group, valid)
-    pool = mark_cached(state.pool, blocks, keys, group, placed)
+def _index_blocks(state, keys, blocks, valid):
+    """Indexes `blocks` int32[K, G] under keys uint32[K, 4] where valid bool[K]; marks the placed ones cached."""
+    index, placed = insert(state.prefix.index, keys, blocks, valid)
+    num_groups = blocks.shape[1]
+    group = jnp.broadcast_to(jnp.arange(num_groups, dtype=jnp.int32)[None, :], blocks.shape).reshape(-1)
+    all_keys = jnp.broadcast_to(keys[:, None, :], blocks.shape + keys.shape[1:]).reshape(-1, HASH_WORDS)
+    pool = mark_cached(state.pool, blocks.reshape(-1), all_keys, group, placed.reshape(-1))
     return dataclasses.replace(state, pool=pool, prefix=dataclasses.replace(state.prefix, index=index))
 
 
 def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
     """Indexes the attention blocks at table entries [start, start + count) int32[R, G] of `slots` [R].
 
+    One index entry per block-end unit, holding every group's block that ends there.
     NULL entries (released before they could be cached) are skipped; so are blocks whose
-    key is indexed already (the indexed block wins).
+    key and group are indexed already (the indexed block wins).
     """
     shape = state.block_tables.shape
-    first = _flat_first(shape, slots, start)
-    layout = range_layout(count.reshape(-1), max_entries=count.size * shape[2])
-    units_per_block = _units_per_block(rules, prefix)
+    groups = np.arange(shape[0], dtype=np.int32)
     tables_size = math.prod(shape)
 
-    def cache_body(size):
-        def cache_chunk(chunk_idx, state):
-            in_range, _, group, slot, block_idx, flat = _chunk_entries(layout, chunk_idx, size, first, *shape)
-            block = state.block_tables.reshape(-1).at[jnp.where(in_range, flat, tables_size)].get(
-                mode="fill", fill_value=NULL_BLOCK)
-            keys = _block_key(state.prefix, slot, group, block_idx, units_per_block)
-            return _index_blocks(state, block, keys, group, block != NULL_BLOCK)
+    def body(state, in_range, row, slot, unit, block_idx, wanted, keys):
+        flat = jnp.where(wanted, _table_index(shape, groups, slot, block_idx), tables_size)
+        blocks = state.block_tables.reshape(-1).at[flat].get(mode="fill", fill_value=NULL_BLOCK)  # [K, G]
+        return _index_blocks(state, keys, blocks, in_range)
 
-        return cache_chunk
-
-    return in_chunks(layout[-1], chunk_sizes, cache_body, state)
+    return _walk_units(state, slots, start, count, rules, prefix, chunk_sizes, body, state)
 
 
 def cache_state_blocks(state, slots, num_computed, *, state_groups: tuple[int, ...], rules,
@@ -335,22 +385,19 @@ def cache_state_blocks(state, slots, num_computed, *, state_groups: tuple[int, .
     """
     if not state_groups:
         return state
-    is_state = np.asarray(state_groups, np.int32)
-    groups = jnp.asarray(is_state, jnp.int32)[None, :]  # [1, Gs]
-    block_size = jnp.asarray(rules.block_size[is_state])[None, :]
+    num_groups, num_slots, max_blocks = state.block_tables.shape
+    is_state = np.isin(np.arange(num_groups), state_groups)
     n = num_computed[:, None]
-    block_idx = n // block_size - 1
-    num_slots, max_blocks = state.block_tables.shape[1:]
+    block_idx = n // rules.block_size[None, :] - 1  # [R, G]
     in_slot = (slots >= 0) & (slots < num_slots)
-    safe_slot = jnp.where(in_slot, slots, 0)[:, None]
-    block = state.block_tables[groups, safe_slot, jnp.clip(block_idx, 0, max_blocks - 1)]
-    hashed = state.prefix.num_hashed_units[safe_slot] * prefix.unit >= n
-    valid = in_slot[:, None] & (n > 0) & (n % block_size == 0) & hashed & (block != NULL_BLOCK)
-    valid &= state.pool.block_group[block] == NOT_CACHED
-    keys = _block_key(state.prefix, jnp.broadcast_to(safe_slot, block.shape), jnp.broadcast_to(groups, block.shape),
-                      block_idx, _units_per_block(rules, prefix))
-    return _index_blocks(state, block.reshape(-1), keys.reshape(-1, HASH_WORDS),
-                         jnp.broadcast_to(groups, block.shape).reshape(-1), valid.reshape(-1))
+    safe_slot = jnp.where(in_slot, slots, 0)
+    block = state.block_tables[np.arange(num_groups)[None, :], safe_slot[:, None], jnp.clip(block_idx, 0, max_blocks - 1)]
+    hashed = state.prefix.num_hashed_units[safe_slot] * prefix.unit >= n[:, 0]
+    wanted = is_state[None, :] & (n > 0) & (n % rules.block_size[None, :] == 0) & (block != NULL_BLOCK)
+    wanted &= state.pool.block_group[block] == NOT_CACHED
+    num_units = state.prefix.req_hashes.shape[1]
+    keys = state.prefix.req_hashes[safe_slot, jnp.clip(n[:, 0] // prefix.unit - 1, 0, num_units - 1)]
+    return _index_blocks(state, keys, jnp.where(wanted, block, NULL_BLOCK), in_slot & hashed & (n[:, 0] > 0))
 
 
 def hit_rules(cfg: KVCacheConfig) -> tuple[HitRule, ...]:
@@ -380,17 +427,21 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     max_width = max(widths)
     valid_tokens = jnp.where(num_keys > 0, num_tokens, 0)
     bound = jnp.minimum(jnp.maximum(valid_tokens - 1, 0), num_keys * prefix.unit)  # [R]
-    count = bound[:, None] // block_sizes[None, :]  # [R, G]
-    layout = range_layout(count.reshape(-1), max_entries=count.size * max_width)
+    # Block-end units up to the bound, one probe each for all groups (grid step s = gcd(units per block)).
+    unit_step = math.gcd(*units_per_block.tolist())
+    num_k = bound // (unit_step * prefix.unit)  # [R]
+    layout = range_layout(num_k, max_entries=num_rows * num_keys_max)
 
     def probe_body(size):
         def probe_chunk(chunk_idx, cached):
-            in_range, range_id, block_idx = range_chunk(layout, chunk_idx, size)
-            row, group = range_id // num_groups, range_id % num_groups
-            unit = (block_idx + 1) * jnp.asarray(units_per_block)[group] - 1
-            block_keys = keys.at[row, jnp.clip(unit, 0, num_keys_max - 1)].get(mode="fill", fill_value=0)
-            found = probe(index, block_keys, group, in_range) != NULL_BLOCK
-            flat = jnp.where(found, range_id * max_width + block_idx, cached.size)
+            in_range, row, k = range_chunk(layout, chunk_idx, size)
+            unit = (k + 1) * unit_step - 1
+            unit_keys = keys.at[row, jnp.clip(unit, 0, num_keys_max - 1)].get(mode="fill", fill_value=0)
+            found = probe(index, unit_keys, in_range) != NULL_BLOCK  # [K, G]
+            ends = (unit[:, None] + 1) % units_per_block[None, :] == 0
+            block_idx = (unit[:, None] + 1) // units_per_block[None, :] - 1
+            flat = (row[:, None] * num_groups + np.arange(num_groups)[None, :]) * max_width + block_idx
+            flat = jnp.where(found & ends, flat, cached.size)
             return cached.reshape(-1).at[flat].set(True, mode="drop").reshape(cached.shape)
 
         return probe_chunk

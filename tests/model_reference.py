@@ -46,7 +46,9 @@ class ModelState:
         self.num_computed = [0] * max_num_seqs
         self.prefix = prefix
         if prefix is not None:
-            self.index = IndexModel(cfg.num_blocks, prefix.ways)
+            from jaxkv.prefix_state import num_index_entries
+
+            self.index = IndexModel(cfg.num_blocks, num_groups, prefix.ways, num_index_entries(cfg))
             self.hashes: list[list[tuple[int, ...]]] = [[] for _ in range(max_num_seqs)]  # unit keys per slot
             self.num_cached = [[0] * max_num_seqs for _ in range(num_groups)]
 
@@ -186,19 +188,26 @@ class ModelState:
         unit = (j + 1) * self.groups[g].block_size // self.prefix.unit - 1
         return self.hashes[s][unit] if unit < len(self.hashes[s]) else None
 
-    def _cache(self, block: int, key, g: int) -> None:
-        if self.index.insert([(block, key, g)])[0]:
-            self.cached_group[block] = g
+    def _cache(self, key, fields: dict[int, int]) -> None:
+        """Indexes one entry: the blocks `fields` {group: block} under `key`."""
+        row = [fields.get(g, NULL_BLOCK) for g in range(len(self.groups))]
+        for g, placed in enumerate(self.index.insert([(key, row)])[0]):
+            if placed:
+                self.cached_group[row[g]] = g
 
     def _cache_state_blocks(self, s: int) -> None:
         n = self.num_computed[s]
+        if n == 0 or n % self.prefix.unit or n // self.prefix.unit > len(self.hashes[s]):
+            return
+        fields = {}
         for g, group in enumerate(self.groups):
             bs = group.block_size
-            if group.kind != "mamba" or n == 0 or n % bs:
-                continue
-            block, key = self.tables[g][s][n // bs - 1], self._key_of_block(g, s, n // bs - 1)
-            if block != NULL_BLOCK and key is not None and block not in self.cached_group:
-                self._cache(block, key, g)
+            if group.kind == "mamba" and n % bs == 0:
+                block = self.tables[g][s][n // bs - 1]
+                if block != NULL_BLOCK and block not in self.cached_group:
+                    fields[g] = block
+        if fields:
+            self._cache(self.hashes[s][n // self.prefix.unit - 1], fields)
 
     def lookup(self, keys, num_tokens: int) -> int:
         """The hit for a request with unit keys `keys` and `num_tokens` tokens (vLLM's fixed point)."""
@@ -297,7 +306,9 @@ class ModelState:
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             if not ok[i]:
                 continue
+            # One entry per block-end unit, in unit order, holding the groups' blocks that end there.
             hashed_len = len(self.hashes[s]) * self.prefix.unit
+            by_unit: dict[int, dict[int, int]] = {}
             for g, group in enumerate(self.groups):
                 if group.kind == "mamba":
                     continue
@@ -305,10 +316,11 @@ class ModelState:
                 start = n_eff[i] // bs if hit_ok[i] else self.num_cached[g][s]
                 end = min(self.num_computed[s], hashed_len) // bs
                 for j in range(start, end):
-                    block = self.tables[g][s][j]
-                    if block != NULL_BLOCK:
-                        self._cache(block, self._key_of_block(g, s, j), g)
+                    if self.tables[g][s][j] != NULL_BLOCK:
+                        by_unit.setdefault((j + 1) * bs // self.prefix.unit - 1, {})[g] = self.tables[g][s][j]
                 self.num_cached[g][s] = max(start, end)
+            for unit in sorted(by_unit):
+                self._cache(self.hashes[s][unit], by_unit[unit])
         return ok
 
 
@@ -348,40 +360,56 @@ def assert_pool_matches(pool, model: ModelState) -> None:
 
 
 class IndexModel:
-    """The prefix-cache index (`jaxkv.prefix_cache`) as a dict, with its bucket capacity.
+    """The prefix-cache index (`jaxkv.prefix_cache`) as dicts, with its bucket capacity.
 
-    An insert call inserts its entries one after another: an entry whose (key, group)
-    is indexed is skipped; otherwise it is placed if its bucket has an empty way.
+    One entry per key, one block field per group. An insert call inserts its entries one
+    after another: where the key has an entry, each given block fills its group's field
+    if empty; otherwise a new entry is made if the key's bucket has an empty way.
     """
 
-    def __init__(self, num_blocks: int, ways: int):
+    def __init__(self, num_blocks: int, num_groups: int, ways: int, num_entries: int | None = None):
         from jaxkv.prefix_cache import num_buckets_for
 
-        self.ways = ways
-        self.num_buckets = num_buckets_for(num_blocks, ways)
-        self.block_key: dict[int, tuple[tuple[int, ...], int]] = {}  # block -> (key words, group)
+        self.ways, self.num_groups = ways, num_groups
+        self.num_buckets = num_buckets_for(num_blocks if num_entries is None else num_entries, ways)
+        self.fields: dict[tuple[int, ...], dict[int, int]] = {}  # key -> {group: block}
 
-    def bucket(self, key, group: int) -> int:
-        return (int(key[0]) ^ (group * 0x9E3779B9)) & 0xFFFFFFFF & (self.num_buckets - 1)
+    def bucket(self, key) -> int:
+        return int(key[0]) & (self.num_buckets - 1)
 
     def entries(self) -> dict[tuple[tuple[int, ...], int], int]:
-        return {kg: block for block, kg in self.block_key.items()}
+        return {(key, g): block for key, fields in self.fields.items() for g, block in fields.items()}
+
+    @property
+    def block_key(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        return {block: kg for kg, block in self.entries().items()}
 
     def probe(self, key, group: int) -> int:
-        return self.entries().get((tuple(int(w) for w in key), group), NULL_BLOCK)
+        return self.fields.get(tuple(int(w) for w in key), {}).get(group, NULL_BLOCK)
 
-    def insert(self, entries) -> list[bool]:
-        """entries: (block, key, group) in batch order. Returns placed flags."""
+    def insert(self, entries) -> list[list[bool]]:
+        """entries: (key, blocks per group (NULL_BLOCK: none)) in batch order. Returns placed flags per group."""
         placed = []
-        for block, key, group in entries:
-            kg = (tuple(int(w) for w in key), group)
-            bucket = self.bucket(*kg)
-            fits = sum(self.bucket(*other) == bucket for other in self.block_key.values()) < self.ways
-            placed.append(kg not in self.entries() and fits)
-            if placed[-1]:
-                self.block_key[block] = kg
+        for key, blocks in entries:
+            key = tuple(int(w) for w in key)
+            given = {g: int(b) for g, b in enumerate(blocks) if b != NULL_BLOCK}
+            if key not in self.fields:
+                used = sum(self.bucket(other) == self.bucket(key) for other in self.fields)
+                if not given or used >= self.ways:
+                    placed.append([False] * len(blocks))
+                    continue
+                self.fields[key] = {}
+            fields = self.fields[key]
+            placed.append([g in given and g not in fields for g in range(len(blocks))])
+            for g, block in given.items():
+                fields.setdefault(g, block)
         return placed
 
     def remove(self, blocks) -> None:
         for block in blocks:
-            self.block_key.pop(block, None)
+            for key, fields in list(self.fields.items()):
+                for g, b in list(fields.items()):
+                    if b == block:
+                        del fields[g]
+                if not fields:
+                    del self.fields[key]

@@ -4,6 +4,8 @@ with a fake KV store (every hit must read back the values its prefix computed), 
 Dimensions: R rows per call (padded to S), G groups, S slots, X uploaded keys per call.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -101,19 +103,22 @@ def test_identical_prompt_hits_all_but_last_block():
 def _state_with_cached(cfg, prefix, keys, cached_by_group):
     """A state whose index holds, for group g, a block under keys of the units in cached_by_group[g]."""
     state = ms.init_state(cfg, NUM_SLOTS, prefix)
-    entries = [(g, unit) for g, units in enumerate(cached_by_group) for unit in units]
-    blocks = np.arange(1, len(entries) + 1, dtype=np.int32)
-    entry_keys = np.asarray([keys[unit] for _, unit in entries], np.uint32).reshape(-1, 4)
-    groups = np.asarray([g for g, _ in entries], np.int32)
-    valid = np.ones(len(entries), bool)
-    index, placed = insert(state.prefix.index, blocks, entry_keys, groups, valid)
-    assert np.asarray(placed).all()
-    pool = mark_cached(state.pool, blocks, entry_keys, groups, valid)
+    units = sorted({unit for units in cached_by_group for unit in units})
+    fields = np.zeros((len(units), len(cfg.groups)), np.int32)  # one entry per unit, a block per group
+    next_block = 1
+    for g, group_units in enumerate(cached_by_group):
+        for unit in group_units:
+            fields[units.index(unit), g] = next_block
+            next_block += 1
+    entry_keys = np.asarray([keys[unit] for unit in units], np.uint32).reshape(-1, 4)
+    index, placed = insert(state.prefix.index, entry_keys, fields, np.ones(len(units), bool))
+    assert (np.asarray(placed) == (fields != NULL_BLOCK)).all()
+    valid = fields.reshape(-1) != NULL_BLOCK
+    groups = np.tile(np.arange(len(cfg.groups), dtype=np.int32), len(units))
+    pool = mark_cached(state.pool, fields.reshape(-1), np.repeat(entry_keys, len(cfg.groups), axis=0), groups, valid)
     state = ms.ManagerState(pool=pool, block_tables=state.block_tables, first_live_idx=state.first_live_idx,
-                            num_computed=state.num_computed, prefix=state.prefix.__class__(
-                                index=index, req_hashes=state.prefix.req_hashes,
-                                num_hashed_units=state.prefix.num_hashed_units,
-                                num_cached_blocks=state.prefix.num_cached_blocks))
+                            num_computed=state.num_computed,
+                            prefix=dataclasses.replace(state.prefix, index=index))
     check_invariants(cfg, state, prefix)
     return state
 
