@@ -163,37 +163,54 @@ def replay(args, workload: dict, trace=None) -> dict:
             n = min(len(req.token_ids) - req.num_computed, budget)
             batch.append((req, n))
             budget -= n
-        candidates = []
-        for req in waiting:
-            if len(running) + len(candidates) >= args.max_num_seqs or budget <= 0:
+        # Candidates go in rounds: a candidate that may share a prefix with an earlier one of the
+        # round (same first unit key) is looked up only after that one's blocks are allocated (and
+        # cached), as vLLM's one-by-one admission would see them: a new round, another dispatch.
+        added: set[int] = set()
+        num_ok = len(batch)  # the running rows that got blocks
+        admitting = True
+        while admitting:
+            candidates, first_keys, shares = [], set(), False
+            for req in waiting:
+                if len(running) + len(candidates) >= args.max_num_seqs or budget <= 0:
+                    break
+                if req.idx not in added:
+                    timed("add_request", mgr.add_request, req.idx, req.token_ids, unit_hasher=req.hasher)
+                    added.add(req.idx)
+                first_key = req.hasher.digests[0] if caching and req.hasher.digests else None
+                if first_key is not None and first_key in first_keys:
+                    shares = True
+                    break
+                first_keys.add(first_key)
+                hit = timed("lookup", mgr.get_computed_tokens, req.idx) if caching else 0
+                n = min(len(req.token_ids) - hit, budget)
+                candidates.append((req, n, hit))
+                budget -= n
+            rows = batch + [(req, n) for req, n, _ in candidates]
+            if not rows:
                 break
-            timed("add_request", mgr.add_request, req.idx, req.token_ids, unit_hasher=req.hasher)
-            hit = timed("lookup", mgr.get_computed_tokens, req.idx) if caching else 0
-            n = min(len(req.token_ids) - hit, budget)
-            candidates.append((req, n, hit))
-            budget -= n
-        rows = batch + [(req, n) for req, n, _ in candidates]
-        num_ok = 0
-        if rows:
             must_fit = [False] * len(batch) + [True] * len(candidates)
             ok = timed("allocate", mgr.allocate_slots_batch, [r.idx for r, _ in rows], [n for _, n in rows],
                        [0] * len(batch) + [h for _, _, h in candidates], full_sequence_must_fit=must_fit)
             num_ok = len(rows) if ok.all() else int(ok.argmin())
-        scheduled += batch[:num_ok]
-        for req, n, hit in candidates[: max(num_ok - len(batch), 0)]:
-            waiting.popleft()
-            running.append(req)
-            req.num_computed = hit
-            scheduled.append((req, n))
-            hit_tokens += hit
-            admitted += 1
-        if len(batch) <= num_ok < len(rows):  # all running rows fit, a candidate did not
-            admission_failures += 1
-        dropped = candidates[max(num_ok - len(batch), 0):]
-        if dropped:  # hold no block: host-only
-            timed("free", mgr.free_batch, [r.idx for r, _, _ in dropped])
+            scheduled += batch[:num_ok]
+            for req, n, hit in candidates[: max(num_ok - len(batch), 0)]:
+                waiting.popleft()
+                added.discard(req.idx)
+                running.append(req)
+                req.num_computed = hit
+                scheduled.append((req, n))
+                hit_tokens += hit
+                admitted += 1
+            if len(batch) <= num_ok < len(rows):  # all running rows fit, a candidate did not
+                admission_failures += 1
+            admitting = num_ok == len(rows) and shares
+            if admitting:
+                batch = []  # the next round: candidates only
+        if added:  # candidates not admitted hold no block: host-only
+            timed("free", mgr.free_batch, sorted(added))
+        batch = batch[min(num_ok, len(batch)):]
         # A running request failed: preempt from the back and retry from it (more dispatches).
-        batch = batch[num_ok:]
         while batch:
             failed = batch[0][0]
             victim = running.pop()
