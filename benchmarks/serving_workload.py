@@ -152,6 +152,7 @@ def replay(args, workload: dict, trace=None) -> dict:
         kv_t = 0.0
         scheduled: list[tuple[Request, int]] = []
         preempted: list[int] = []
+        hits: list[tuple[int, int]] = []  # (request, hit tokens) of the requests admitted
 
         # (1) Running requests in admission order, and (2) the waiting requests that admission
         # would try if nothing gets preempted, in one batch: running rows first, candidates after
@@ -200,6 +201,7 @@ def replay(args, workload: dict, trace=None) -> dict:
                 running.append(req)
                 req.num_computed = hit
                 scheduled.append((req, n))
+                hits.append((req.idx, hit))
                 hit_tokens += hit
                 admitted += 1
             if len(batch) <= num_ok < len(rows):  # all running rows fit, a candidate did not
@@ -231,7 +233,7 @@ def replay(args, workload: dict, trace=None) -> dict:
         peak_used = max(peak_used, total_blocks - mgr.num_free_blocks)
         if trace is not None:
             trace.write(json.dumps({"step": len(step_kv_us), "scheduled": [[r.idx, n] for r, n in scheduled],
-                                    "preempted": preempted, "free_blocks": mgr.num_free_blocks}) + "\n")
+                                    "preempted": preempted, "admitted_hits": hits, "free_blocks": mgr.num_free_blocks}) + "\n")
 
         # (3) Model step.
         done = []

@@ -48,21 +48,21 @@ _MIN_KEY_WIDTH = 64  # lookups pass keys padded to 64, 256, 1024, ... units
 
 
 def _allocate_packed(state, rows, free_slots, uploads, *, cfg, prefix):
-    """`st._allocate` with the row arrays packed as int32[4, R] (slots, new tokens, full tokens, hit tokens)
-    and the result packed as int32[R + 2] (ok flags, num_free_blocks, hit tokens claimed): one argument and
-    one transfer instead of several."""
-    hits = None if prefix is None else rows[3]
-    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, hits, uploads, cfg=cfg,
+    """`st._allocate` with the row arrays packed as int32[5, R] (slots, new tokens, full tokens, hit tokens,
+    shared tokens) and the result packed as int32[R + 2] (ok flags, num_free_blocks, hit tokens claimed):
+    one argument and one transfer instead of several."""
+    hits, shared = (None, None) if prefix is None else (rows[3], rows[4])
+    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, hits, uploads, shared, cfg=cfg,
                                  prefix=prefix)
     return state, jnp.concatenate([result.ok.astype(jnp.int32), result.num_free_blocks[None],
                                    result.num_hit_tokens[None]])
 
 
 def _lookup_packed(state, keys, rows, *, cfg, prefix):
-    """`st._lookup` with rows packed as int32[2, R] (keys given, tokens); result int32[R + 4] (hits, then
-    the stats: lookups, tokens, hit tokens, reconciliation misses)."""
-    hits, stats = st._lookup(state, keys, rows[0], rows[1], cfg=cfg, prefix=prefix)
-    return jnp.concatenate([hits, jnp.stack([stats.num_lookups, stats.num_lookup_tokens, stats.num_hit_tokens,
+    """`st._lookup` with rows packed as int32[2, R] (keys given, tokens); result int32[2R + 4] (hits, shared
+    lengths, then the stats: lookups, tokens, hit tokens, reconciliation misses)."""
+    hits, shared, stats = st._lookup(state, keys, rows[0], rows[1], cfg=cfg, prefix=prefix)
+    return jnp.concatenate([hits, shared, jnp.stack([stats.num_lookups, stats.num_lookup_tokens, stats.num_hit_tokens,
                                              stats.num_reconciliation_miss_tokens])])
 
 
@@ -111,6 +111,7 @@ class KVCacheManager:
         self._uploads: list[tuple[int, int]] = []  # (slot, first unit) of keys not on the device yet
         self._num_uploaded = np.zeros(self.max_num_seqs, np.int64)  # units of each slot on the device
         self._num_uploads = 0
+        self._shared_len = np.zeros(self.max_num_seqs, np.int64)  # each slot's last lookup's shared length
         self.prefix_stats = dict.fromkeys(PREFIX_STATS, 0)
         self._has_state_groups = any(g.kind == "mamba" for g in cfg.groups)
         self._block_sizes = tuple(g.block_size for g in cfg.groups)
@@ -162,6 +163,7 @@ class KVCacheManager:
         self._token_ids[slot] = token_ids
         self._num_tokens[slot] = len(token_ids)
         self._num_computed[slot] = 0
+        self._shared_len[slot] = 0
         if self.prefix_config is not None:
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
@@ -198,8 +200,9 @@ class KVCacheManager:
         rows[0, : len(slots)] = num_units
         rows[1, : len(slots)] = self._num_tokens[slots]
         packed = np.asarray(self._lookup_fn(self._state, keys, rows))
-        for name, value in zip(PREFIX_STATS[:4], packed[num_rows:].tolist()):
+        for name, value in zip(PREFIX_STATS[:4], packed[2 * num_rows:].tolist()):
             self.prefix_stats[name] += value
+        self._shared_len[slots] = packed[num_rows: num_rows + len(slots)]
         return packed[: len(slots)].astype(np.int64)
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
@@ -252,8 +255,8 @@ class KVCacheManager:
         """
         slots = self._slots(request_ids)
         num_rows = self._num_rows(len(slots))
-        # slots, new tokens, full tokens, hit tokens (padding: slot S, 0, 0, 0)
-        rows = np.zeros((4, num_rows), np.int64)
+        # slots, new tokens, full tokens, hit tokens, shared tokens (padding: slot S, 0, 0, 0, 0)
+        rows = np.zeros((5, num_rows), np.int64)
         rows[0] = self.max_num_seqs
         rows[0, : len(slots)] = slots
         num_new = rows[1, : len(slots)]
@@ -261,6 +264,7 @@ class KVCacheManager:
         num_computed = self._num_computed[slots]
         num_tokens = self._num_tokens[slots]
         hits = rows[3, : len(slots)]
+        rows[4, : len(slots)] = np.where(num_computed == 0, self._shared_len[slots], 0)
         if num_new_computed_tokens is not None and any(num_new_computed_tokens):
             hits[:] = self._counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
             bad = (hits > 0) & ((num_computed > 0) | (hits >= num_tokens) | (self.prefix_config is None))

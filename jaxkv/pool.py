@@ -213,12 +213,14 @@ def _compact(free_ring, queue_pos, ring_head, ring_count, ref_cnt):
     )
 
 
-def release(pool: PoolState, blocks, valid) -> PoolState:
+def release(pool: PoolState, blocks, valid, evict_first=None) -> PoolState:
     """Drops one reference per valid entry of `blocks` int32[F]; frees blocks reaching 0.
 
     Entries are in free order. Each freed block is pushed as its count reaches 0:
     uncached ones at the head (the last pushed is reused first), cached ones at
-    the tail (in entry order). The caller masks null entries out with `valid` bool[F].
+    the tail (in entry order), except cached ones whose entry has `evict_first`
+    bool[F] (a retention policy's verdict: unlikely to serve a hit), which go to
+    the head too. The caller masks null entries out with `valid` bool[F].
     """
     capacity = pool.free_ring.shape[0]
     num_pool_blocks = pool.ref_cnt.shape[0]
@@ -243,6 +245,8 @@ def release(pool: PoolState, blocks, valid) -> PoolState:
     queue_pos = queue_pos.at[zero_idx].set(-1, mode="drop").at[zero_idx].max(entry, mode="drop")
     freed = reaches_zero & (queue_pos[safe_blocks] == entry)
     cached = pool.block_group[safe_blocks] != NOT_CACHED
+    if evict_first is not None:
+        cached = cached & ~evict_first
     to_head, to_tail = freed & ~cached, freed & cached
     num_head = jnp.sum(to_head, dtype=jnp.int32)
     num_tail = jnp.sum(to_tail, dtype=jnp.int32)

@@ -42,10 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import KVCacheConfig
-from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, mark_cached, unclaim
-from jaxkv.prefix_cache import DEFAULT_WAYS, IndexState, init_index, insert, probe
+from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, mark_cached, release, unclaim
+from jaxkv.prefix_cache import DEFAULT_WAYS, IndexState, init_index, insert, probe, remove
 from jaxkv.prefix_rules import HitRule, valid_hit_blocks
-from jaxkv.ranges import in_chunks, range_chunk, range_layout
+from jaxkv.ranges import in_chunks, range_chunk, range_layout, run_if
 from jaxkv.specs import NULL_BLOCK
 
 UPLOAD_WORDS = 2 + HASH_WORDS  # an uploaded key: slot, unit index, key words
@@ -96,12 +96,16 @@ class PrefixState:
     num_hashed_units:  int32[S]         units of each request whose keys are uploaded
     num_cached_blocks: int32[G, S]      attention blocks [0, this) of the request were handled
                                         (indexed, or found indexed, or gone before they could be)
+    shared_len:        int32[S]         tokens of the request's prompt its full-attention groups
+                                        found cached on admission: where its prefix is known to
+                                        be shared (its window blocks past it are evicted first)
     """
 
     index: IndexState
     req_hashes: jax.Array
     num_hashed_units: jax.Array
     num_cached_blocks: jax.Array
+    shared_len: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -139,6 +143,7 @@ def init_prefix_state(cfg: KVCacheConfig, prefix: PrefixCacheConfig, max_num_seq
         req_hashes=jnp.zeros((max_num_seqs, num_units, HASH_WORDS), jnp.uint32),
         num_hashed_units=jnp.zeros(max_num_seqs, jnp.int32),
         num_cached_blocks=jnp.zeros((len(cfg.groups), max_num_seqs), jnp.int32),
+        shared_len=jnp.zeros(max_num_seqs, jnp.int32),
     )
 
 
@@ -184,6 +189,7 @@ def forget_slots(prefix_state: PrefixState, scatter_slots) -> PrefixState:
         prefix_state,
         num_hashed_units=prefix_state.num_hashed_units.at[scatter_slots].set(0, mode="drop"),
         num_cached_blocks=prefix_state.num_cached_blocks.at[:, scatter_slots].set(0, mode="drop"),
+        shared_len=prefix_state.shared_len.at[scatter_slots].set(0, mode="drop"),
     )
 
 
@@ -356,12 +362,28 @@ def _index_blocks(state, keys, blocks, valid):
     return dataclasses.replace(state, pool=pool, prefix=dataclasses.replace(state.prefix, index=index))
 
 
+def _uncache_free_blocks(state, blocks, valid):
+    """Takes the free cached `blocks` int32[F] (valid bool[F]; repeats allowed) out of the index,
+    uncached, to the head of the free order (reused first)."""
+    pool, first = claim(state.pool, blocks, valid)  # out of the free order; `first`: one entry per block
+    index = remove(state.prefix.index, blocks, first)
+    pool = dataclasses.replace(pool, block_group=pool.block_group.at[jnp.where(first, blocks, pool.ref_cnt.shape[0])]
+                               .set(NOT_CACHED, mode="drop"))
+    return dataclasses.replace(state, pool=release(pool, blocks, valid),
+                               prefix=dataclasses.replace(state.prefix, index=index))
+
+
 def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
     """Indexes the attention blocks at table entries [start, start + count) int32[R, G] of `slots` [R].
 
     One index entry per block-end unit, holding every group's block that ends there.
-    NULL entries (released before they could be cached) are skipped; so are blocks whose
-    key and group are indexed already (the indexed block wins).
+    NULL entries (released before they could be cached) are skipped. Where the key and
+    group are indexed already, a free indexed block (a copy aging in the free order) gives
+    way to the request's block (live: the newer copy), and goes to the head of the free
+    order uncached; a held indexed block wins (the request's block stays uncached).
+    Without this, a request that recomputes a cached block (its hit stopped before it)
+    leaves the old copy to be evicted while its own copy, unindexed, outlives it: a hole
+    in a run that every group's hit needs.
     """
     shape = state.block_tables.shape
     groups = np.arange(shape[0], dtype=np.int32)
@@ -370,6 +392,11 @@ def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheC
     def body(state, in_range, row, slot, unit, block_idx, wanted, keys):
         flat = jnp.where(wanted, _table_index(shape, groups, slot, block_idx), tables_size)
         blocks = state.block_tables.reshape(-1).at[flat].get(mode="fill", fill_value=NULL_BLOCK)  # [K, G]
+        indexed = probe(state.prefix.index, keys, in_range)
+        stale = (blocks != NULL_BLOCK) & (indexed != NULL_BLOCK) & (indexed != blocks)
+        stale = (stale & (state.pool.ref_cnt[indexed] == 0)).reshape(-1)
+        state = run_if(jnp.any(stale), lambda state: _uncache_free_blocks(state, indexed.reshape(-1), stale),
+                       state)
         return _index_blocks(state, keys, blocks, in_range)
 
     return _walk_units(state, slots, start, count, rules, prefix, chunk_sizes, body, state)
@@ -412,7 +439,9 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     keys:       uint32[R, X, 4] the requests' unit keys (from the host)
     num_keys:   int32[R] keys given per request (0: padding row)
     num_tokens: int32[R] the requests' tokens (the hit stays below the last one)
-    Returns (hit_len int32[R], stats). Every group's candidate blocks up to the bound
+    Returns (hit_len int32[R], shared_len int32[R], stats); shared_len is the longest hit of
+    the full-attention groups alone (≥ hit_len; hit_len without such groups): where the
+    request's prefix is known to be shared. Every group's candidate blocks up to the bound
     (at most X units) are probed, in chunks; then each group's valid hit lengths
     (`prefix_rules.valid_hit_blocks`) are intersected on a grid of gcd(block sizes)
     tokens, as `prefix_rules.prefix_hit_len` does.
@@ -465,4 +494,4 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
         num_hit_tokens=jnp.sum(hit_len, dtype=jnp.int32),
         num_reconciliation_miss_tokens=jnp.sum(full_len - hit_len, dtype=jnp.int32),
     )
-    return hit_len, stats
+    return hit_len, full_len, stats

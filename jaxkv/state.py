@@ -210,30 +210,35 @@ def held_ranges(num_computed, first_live, rules: GroupRules, xp=jnp):
     return start, count, stride
 
 
-def _release_ranges(state: ManagerState, ranges, chunk_sizes) -> ManagerState:
+def _release_ranges(state: ManagerState, ranges, chunk_sizes, evict_from=None) -> ManagerState:
     """Releases the table entries of `ranges` (from `_table_ranges`), each range tail first.
 
-    NULL entries are skipped; released entries become NULL.
+    NULL entries are skipped; released entries become NULL. `evict_from` int32[Q] or None:
+    per range, the cached blocks at table indices from it on go to the head of the free
+    order, as uncached ones do (`pool.release`'s evict_first).
     """
     count, first, step = ranges
     shape = state.block_tables.shape
     out_of_range = shape[0] * shape[1] * shape[2]
     layout = _range_layout(count, max_entries=count.shape[0] * shape[2])
-    attrs = jnp.stack([first, step, count], axis=1)  # one gather per entry instead of three
+    columns = [first, step, count] + ([] if evict_from is None else [evict_from])
+    attrs = jnp.stack(columns, axis=1)  # one gather per entry instead of several
 
     def release_body(size):
         def release_chunk(chunk_idx, state):
             in_range, range_id, offset = _range_chunk(layout, chunk_idx, size)
-            first_idx, idx_step, n = attrs[range_id].T
+            entry_attrs = attrs[range_id].T
+            first_idx, idx_step, n = entry_attrs[:3]
             idx = jnp.where(in_range, first_idx + (n - 1 - offset) * idx_step, out_of_range)
             tables = state.block_tables.reshape(-1)
             block = tables.at[idx].get(mode="fill", fill_value=NULL_BLOCK)
             # The written value depends on the read one (ids are ≥ 0), so XLA orders the
             # read first and writes in place instead of copying the tables.
             null = jnp.where(block < 0, block, NULL_BLOCK)
+            evict_first = None if evict_from is None else idx % shape[2] >= entry_attrs[3]
             return dataclasses.replace(
                 state,
-                pool=release(state.pool, block, block != NULL_BLOCK),
+                pool=release(state.pool, block, block != NULL_BLOCK, evict_first),
                 block_tables=tables.at[idx].set(null, mode="drop").reshape(shape),
             )
 
@@ -303,7 +308,7 @@ def _forget_rows(state: ManagerState, req_slots, rules: GroupRules):
 
 
 def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None,
-              num_hit_tokens=None, hash_uploads=None, *, cfg: KVCacheConfig,
+              num_hit_tokens=None, hash_uploads=None, num_shared_tokens=None, *, cfg: KVCacheConfig,
               chunk_sizes: tuple[int, ...] | None = None,
               prefix: ps.PrefixCacheConfig | None = None) -> tuple[ManagerState, AllocateResult]:
     """Makes room for `num_new_tokens` more tokens of each request, in priority order.
@@ -319,6 +324,10 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
                      first, on a request's first call (see `_allocate_cached`)
     hash_uploads:    uint32[X, 6] or None (prefix caching): unit keys to store first
                      (`prefix_state.store_hashes`; after the frees)
+    num_shared_tokens: int32[R] or None (prefix caching): on a request's first call, the
+                     tokens its full-attention groups found cached (`lookup`'s shared_len):
+                     window retention (`_allocate_cached`) evicts its window blocks past
+                     that point first
 
     Rows are handled as vLLM handles requests one after another (same outcome, one pass):
     1. the freed requests release their blocks;
@@ -343,10 +352,10 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     if state.prefix is not None:
         prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
         return _allocate_cached(state, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
-                                hash_uploads, rules=rules, prefix=prefix, sizes=sizes)
-    if num_hit_tokens is not None or hash_uploads is not None:
-        raise ValueError("num_hit_tokens / hash_uploads given, but the state has no prefix cache; "
-                         "make it with init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))")
+                                hash_uploads, num_shared_tokens, rules=rules, prefix=prefix, sizes=sizes)
+    if num_hit_tokens is not None or hash_uploads is not None or num_shared_tokens is not None:
+        raise ValueError("num_hit_tokens / hash_uploads / num_shared_tokens given, but the state has no prefix "
+                         "cache; make it with init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))")
     shape = state.block_tables.shape
     num_free = state.pool.num_free_blocks
     if free_slots is not None:
@@ -403,7 +412,8 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
 
 
 def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
-                     hash_uploads, *, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes: tuple[int, ...]):
+                     hash_uploads, num_shared_tokens, *, rules: GroupRules, prefix: ps.PrefixCacheConfig,
+                     sizes: tuple[int, ...]):
     """`_allocate` with a prefix cache: vLLM's row-by-row outcome, with hits claimed first.
 
     1. The freed requests release their blocks (the exact free count follows); uploaded
@@ -420,9 +430,12 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
        blocks it holds alone (count 1 after the claims: a lower bound, exact unless two
        rows release one shared block). Rows after the first failure fail; the claims of
        failed rows are given back exactly (`prefix_state.unclaim_hits`).
-    4. Releases, then new blocks (a popped cached block is evicted from the index in the
-       same step), then every attention block whose tokens are now all scheduled and
-       whose key is known is indexed (`prefix_state.cache_full_blocks`).
+    4. Releases (window retention: sliding-window and chunked blocks past the request's
+       shared point — `PrefixState.shared_len` — go to the head of the free order, as
+       uncached ones do: no other request's prompt is known to share them), then
+       new blocks (a popped cached block is evicted from the index in the same step), then
+       every attention block whose tokens are now all scheduled and whose key is known is
+       indexed (`prefix_state.cache_full_blocks`); admitted rows record their shared point.
     """
     shape = state.block_tables.shape
     num_groups, num_slots, max_blocks = shape
@@ -434,6 +447,7 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
     row, slots, scatter_slots = _rows(state, req_slots)
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
     k = jnp.where(row, num_new_tokens, 0)[:, None]
+    first_call = row & (n[:, 0] == 0)
     state = ps.cache_state_blocks(state, scatter_slots, n[:, 0], state_groups=state_groups, rules=rules,
                                   prefix=prefix)
     num_free = state.pool.num_free_blocks
@@ -446,7 +460,7 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
     else:
         hit = row & (num_hit_tokens > 0)
         h = jnp.where(hit, num_hit_tokens, 0)[:, None]
-        hit_ok = hit & (n[:, 0] == 0) & jnp.all(h % rules.block_size == 0, axis=1) & (h[:, 0] <= hashed_len)
+        hit_ok = hit & first_call & jnp.all(h % rules.block_size == 0, axis=1) & (h[:, 0] <= hashed_len)
         hit_len = jnp.where(hit_ok[:, None], h, 0)
     hit_blocks = hit_len // rules.block_size  # [R, G]
     claim_start = keep_from_idx(hit_len, rules)
@@ -491,9 +505,13 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
                        lambda state: ps.unclaim_hits(state, slots, claim_start, unclaim_count, chunk_sizes=sizes),
                        state)
 
-    # 4. Releases, new blocks, caching.
+    # 4. Releases, new blocks, caching. Window retention: a window block past the request's
+    # shared point is evicted first (no other request's prompt is known to share it).
     ranges = _table_ranges(shape, slots, first_live, jnp.where(releasing[:, None], num_released, 0))
-    state = _release_ranges(state, ranges, sizes)
+    shared = state.prefix.shared_len[slots][:, None]
+    windowed = (rules.kind == SLIDING_WINDOW) | (rules.kind == CHUNKED_LOCAL)
+    evict_from = jnp.where(windowed & (shared > 0), shared // rules.block_size, max_blocks)
+    state = _release_ranges(state, ranges, sizes, evict_from.reshape(-1))
     new_first_live = jnp.where((releasing | (ok & hit_ok))[:, None], keep, state.first_live_idx[:, slots].T)
     state = dataclasses.replace(
         state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(new_first_live.T, mode="drop"))
@@ -510,6 +528,10 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
     prefix_state = dataclasses.replace(
         state.prefix, num_cached_blocks=state.prefix.num_cached_blocks.at[:, ok_slots].set(num_cached.T,
                                                                                              mode="drop"))
+    if num_shared_tokens is not None:  # on a request's first call
+        admitted = jnp.where(ok & first_call, slots, num_slots)
+        prefix_state = dataclasses.replace(prefix_state, shared_len=prefix_state.shared_len.at[admitted].set(
+            jnp.maximum(num_shared_tokens, 0), mode="drop"))
     state = dataclasses.replace(state, prefix=prefix_state)
     num_hit = jnp.sum(jnp.where(ok & hit_ok, hit_len[:, 0], 0))
     return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=num_hit)
@@ -607,7 +629,7 @@ def _lookup(state: ManagerState, keys, num_keys, num_tokens, *, cfg: KVCacheConf
     """The longest prefix-cache hit of each request, valid for every group; changes nothing.
 
     keys: uint32[R, X, 4] the requests' unit keys; num_keys: int32[R] (0: padding row);
-    num_tokens: int32[R]. Returns (hit_len int32[R], PrefixStats). See
+    num_tokens: int32[R]. Returns (hit_len int32[R], shared_len int32[R], PrefixStats). See
     `prefix_state.lookup`. Jitted as `lookup` (config, prefix config, chunk sizes static).
     """
     if state.prefix is None:

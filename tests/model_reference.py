@@ -21,13 +21,17 @@ With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.state._allocate_c
   claims of rows that fail are given back; then releases, new blocks, and the
   attention blocks whose tokens are all scheduled are cached, row by row,
   group by group;
+* window retention: rows record the shared length they are admitted with; their
+  sliding-window and chunked blocks past it are released to the head;
+* caching a full block whose key and group hold a free indexed block: that old
+  copy leaves the index, uncached, to the head, and the new block is indexed;
 * free: state blocks the last step ended on are cached first.
 """
 
 from __future__ import annotations
 
 from jaxkv.config import KVCacheConfig
-from jaxkv.prefix_rules import HitRule, hybrid_hit_len_reference
+from jaxkv.prefix_rules import HitRule, hit_blocks_reference, hybrid_hit_len_reference
 from jaxkv.specs import NULL_BLOCK, cdiv
 
 
@@ -51,18 +55,19 @@ class ModelState:
             self.index = IndexModel(cfg.num_blocks, num_groups, prefix.ways, num_index_entries(cfg))
             self.hashes: list[list[tuple[int, ...]]] = [[] for _ in range(max_num_seqs)]  # unit keys per slot
             self.num_cached = [[0] * max_num_seqs for _ in range(num_groups)]
+            self.shared_len = [0] * max_num_seqs  # the shared length each request was admitted with
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.order)
 
     # ---- pool ----------------------------------------------------------------------------
-    def release(self, blocks) -> None:
+    def release(self, blocks, evict_first: bool = False) -> None:
         for b in blocks:
             assert self.ref_cnt[b] > 0, f"model: double free of block {b}"
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                if b in self.cached_group:
+                if b in self.cached_group and not evict_first:
                     self.order.append(b)
                 else:
                     self.order.insert(0, b)
@@ -106,19 +111,20 @@ class ModelState:
             return range(max(table_len, new_len - 1), new_len)
         return range(table_len, new_len)
 
-    def _release_range(self, g: int, s: int, lo: int, hi: int) -> None:
+    def _release_range(self, g: int, s: int, lo: int, hi: int, evict_from: int | None = None) -> None:
         for j in reversed(range(lo, hi)):
             b = self.tables[g][s][j]
             if b != NULL_BLOCK:
                 self.tables[g][s][j] = NULL_BLOCK
-                self.release([b])
+                self.release([b], evict_first=evict_from is not None and j >= evict_from)
 
     # ---- transitions ------------------------------------------------------------------------
-    def allocate(self, slots, num_new_tokens, num_full_tokens=None, num_hit_tokens=None) -> list[bool]:
+    def allocate(self, slots, num_new_tokens, num_full_tokens=None, num_hit_tokens=None,
+                 num_shared_tokens=None) -> list[bool]:
         """vLLM's sequential outcome: row by row, gate (before the row's release), release,
         take if it fits; stop at the first failure. The takes happen after all releases."""
         if self.prefix is not None:
-            return self._allocate_cached(slots, num_new_tokens, num_full_tokens, num_hit_tokens)
+            return self._allocate_cached(slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_shared_tokens)
         num_free, num_taken, ok, released = self.num_free_blocks, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             n = self.num_computed[s]
@@ -175,6 +181,7 @@ class ModelState:
             self.num_computed[s] = 0
             if self.prefix is not None:
                 self.hashes[s] = []
+                self.shared_len[s] = 0
                 for g in range(len(self.groups)):
                     self.num_cached[g][s] = 0
 
@@ -188,8 +195,17 @@ class ModelState:
         unit = (j + 1) * self.groups[g].block_size // self.prefix.unit - 1
         return self.hashes[s][unit] if unit < len(self.hashes[s]) else None
 
-    def _cache(self, key, fields: dict[int, int]) -> None:
-        """Indexes one entry: the blocks `fields` {group: block} under `key`."""
+    def _cache(self, key, fields: dict[int, int], replace_free: bool = False) -> None:
+        """Indexes one entry: the blocks `fields` {group: block} under `key`; with `replace_free`,
+        a free block indexed under (key, group) first leaves the index, uncached, to the head."""
+        if replace_free:
+            for g, block in fields.items():
+                old = self.index.probe(key, g)
+                if old not in (NULL_BLOCK, block) and self.ref_cnt[old] == 0:
+                    self.index.remove([old])
+                    del self.cached_group[old]
+                    self.order.remove(old)
+                    self.order.insert(0, old)
         row = [fields.get(g, NULL_BLOCK) for g in range(len(self.groups))]
         for g, placed in enumerate(self.index.insert([(key, row)])[0]):
             if placed:
@@ -209,8 +225,9 @@ class ModelState:
         if fields:
             self._cache(self.hashes[s][n // self.prefix.unit - 1], fields)
 
-    def lookup(self, keys, num_tokens: int) -> int:
-        """The hit for a request with unit keys `keys` and `num_tokens` tokens (vLLM's fixed point)."""
+    def lookup(self, keys, num_tokens: int) -> tuple[int, int]:
+        """The hit for a request with unit keys `keys` and `num_tokens` tokens (vLLM's fixed point),
+        and its shared length (the full-attention groups' own longest hit; the hit without them)."""
         keys = [tuple(int(w) for w in key) for key in keys]
         bound = min(max(num_tokens - 1, 0), len(keys) * self.prefix.unit)
         cached = []
@@ -219,11 +236,16 @@ class ModelState:
             cached.append([self.index.probe(keys[(j + 1) * bs // self.prefix.unit - 1], g) != NULL_BLOCK
                            for j in range(bound // bs)])
         rules = [HitRule.for_spec(group.spec) for group in self.groups]
-        return hybrid_hit_len_reference(rules, cached, num_tokens if keys else 0)
+        hit = hybrid_hit_len_reference(rules, cached, num_tokens if keys else 0)
+        full = [hit_blocks_reference(rule, c, bound // rule.block_size) * rule.block_size
+                for rule, c in zip(rules, cached) if rule.kind == "full"]
+        return hit, max(full, default=hit)
 
-    def _allocate_cached(self, slots, num_new_tokens, num_full_tokens, num_hit_tokens) -> list[bool]:
+    def _allocate_cached(self, slots, num_new_tokens, num_full_tokens, num_hit_tokens,
+                         num_shared_tokens) -> list[bool]:
         num_groups = len(self.groups)
         num_hit_tokens = num_hit_tokens or [0] * len(slots)
+        first_call = [self.num_computed[s] == 0 for s in slots]
         for s in slots:
             self._cache_state_blocks(s)
         num_free = self.num_free_blocks
@@ -290,10 +312,12 @@ class ModelState:
                 for g in range(num_groups):
                     self.first_live[g][s] = self.keep_from(g, n_eff[i])
                 self.num_computed[s] = n_eff[i]
-        for s in releasing:
+        for s in releasing:  # window retention: window blocks past the shared point go first
             for g in range(num_groups):
-                keep = self._keep(g, s)
-                self._release_range(g, s, self.first_live[g][s], keep)
+                keep, bs = self._keep(g, s), self.groups[g].block_size
+                windowed = self.groups[g].kind in ("sliding_window", "chunked_local")
+                evict_from = self.shared_len[s] // bs if windowed and self.shared_len[s] > 0 else None
+                self._release_range(g, s, self.first_live[g][s], keep, evict_from)
                 self.first_live[g][s] = keep
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             if not ok[i]:
@@ -320,7 +344,11 @@ class ModelState:
                         by_unit.setdefault((j + 1) * bs // self.prefix.unit - 1, {})[g] = self.tables[g][s][j]
                 self.num_cached[g][s] = max(start, end)
             for unit in sorted(by_unit):
-                self._cache(self.hashes[s][unit], by_unit[unit])
+                self._cache(self.hashes[s][unit], by_unit[unit], replace_free=True)
+        if num_shared_tokens is not None:
+            for i, s in enumerate(slots):
+                if ok[i] and first_call[i]:
+                    self.shared_len[s] = max(num_shared_tokens[i], 0)
         return ok
 
 
@@ -340,6 +368,7 @@ def assert_state_matches(state, model: ModelState) -> None:
         assert {k: b for k, (b, _) in index_entries(state.prefix.index).items()} == model.index.entries(), "index"
         np.testing.assert_array_equal(state.prefix.num_cached_blocks, model.num_cached, err_msg="num_cached")
         assert np.asarray(state.prefix.num_hashed_units).tolist() == [len(h) for h in model.hashes], "hashed"
+        assert np.asarray(state.prefix.shared_len).tolist() == model.shared_len, "shared_len"
 
 
 def assert_pool_matches(pool, model: ModelState) -> None:

@@ -161,6 +161,7 @@ def test_random_use_matches_model(data):
     model = ModelState(CFG, 3, mgr.prefix_config)
     running: list[str] = []  # admission order
     tokens: dict[str, list[int]] = {}
+    shared: dict[str, int] = {}  # the shared length of each request's last lookup (0: none since it was added)
     next_id = 0
     for _ in range(data.draw(st.integers(1, 20), label="num_ops")):
         op = data.draw(st.sampled_from(["add", "allocate", "allocate", "free", "preempt"]), label="op")
@@ -169,6 +170,7 @@ def test_random_use_matches_model(data):
             next_id += 1
             tokens[rid] = list(range(data.draw(st.integers(1, 16), label="prompt_len")))
             mgr.add_request(rid, tokens[rid])
+            shared[rid] = 0
             running.append(rid)
         elif op == "allocate" and running:
             rids = data.draw(st.permutations(running), label="order")
@@ -183,16 +185,18 @@ def test_random_use_matches_model(data):
                 hit = 0
                 if mgr.num_computed_tokens(rid) == 0 and data.draw(st.booleans(), label="look_up"):
                     hit = mgr.get_computed_tokens(rid)
-                    assert hit == model.lookup(prompt_unit_hashes(tokens[rid], 2), len(tokens[rid]))
+                    model_hit, shared[rid] = model.lookup(prompt_unit_hashes(tokens[rid], 2), len(tokens[rid]))
+                    assert hit == model_hit
                 hits.append(hit)
                 new_tokens.append(data.draw(st.integers(0, min(remaining - hit, 8)), label="num_new_tokens"))
                 must_fit.append(mgr.num_computed_tokens(rid) == 0 and data.draw(st.booleans(), label="must_fit"))
             slots = mgr.slots_of(rids).tolist()
             full = [mgr.num_tokens(rid) if fit else 0 for rid, fit in zip(rids, must_fit)]
+            shared_tokens = [shared[rid] if mgr.num_computed_tokens(rid) == 0 else 0 for rid in rids]
             ok = mgr.allocate_slots_batch(rids, new_tokens, hits, full_sequence_must_fit=must_fit)
             for rid in running:  # every request's keys ride with the allocation
                 model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
-            assert ok.tolist() == model.allocate(slots, new_tokens, full, hits)
+            assert ok.tolist() == model.allocate(slots, new_tokens, full, hits, shared_tokens)
             assert mgr.num_free_blocks == model.num_free_blocks
             assert_state_matches(mgr._state, model)  # no read: nothing flushed
             for rid, slot in zip(rids, slots):
@@ -207,6 +211,7 @@ def test_random_use_matches_model(data):
                 running.remove(rid)
                 if op == "preempt":  # back to waiting, computed tokens forgotten: re-added later
                     mgr.add_request(rid, tokens[rid])
+                    shared[rid] = 0
                     running.append(rid)
     check_invariants(CFG, mgr.state)  # reading the state stores the pending keys
     for rid in running:

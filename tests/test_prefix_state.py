@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from jaxkv import state as ms
 from jaxkv.hashing import prompt_unit_hashes
 from jaxkv.invariants import check_invariants
-from jaxkv.pool import mark_cached
-from jaxkv.prefix_cache import index_entries, insert
+from jaxkv.pool import free_order, mark_cached
+from jaxkv.prefix_cache import index_entries, insert, probe
 from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig
 from jaxkv.specs import NULL_BLOCK
 from model_reference import ModelState, assert_state_matches
@@ -46,11 +46,17 @@ def _uploads(keys_by_slot: dict[int, np.ndarray]) -> np.ndarray:
 
 
 def _lookup(state, cfg, prefix, keys, num_tokens) -> int:
+    return _lookup_shared(state, cfg, prefix, keys, num_tokens)[0]
+
+
+def _lookup_shared(state, cfg, prefix, keys, num_tokens) -> tuple[int, int]:
+    """(hit, shared length) of one request."""
     width = max(8, len(keys))
     padded = np.zeros((8, width, 4), np.uint32)
     padded[0, : len(keys)] = keys
-    hits, _ = ms.lookup(state, padded, _pad([len(keys)], 0, 8), _pad([num_tokens], 0, 8), cfg=cfg, prefix=prefix)
-    return int(hits[0])
+    hits, shared, _ = ms.lookup(state, padded, _pad([len(keys)], 0, 8), _pad([num_tokens], 0, 8), cfg=cfg,
+                                prefix=prefix)
+    return int(hits[0]), int(shared[0])
 
 
 def _allocate(state, cfg, prefix, rows, uploads=None):
@@ -177,6 +183,62 @@ def test_stale_hit_is_refused_and_changes_nothing():
     assert int(after.pool.num_free_blocks) == int(before.pool.num_free_blocks)
 
 
+def _window_release(shared_len):
+    """Full + SW(4), block 2. A computes 12 tokens (and releases its window blocks 0-3 on its next call);
+    B shares its first 8, claims the 8-token hit with
+    `shared_len` and computes to 16, then releases its window blocks 2-5 (its window at 16 starts at
+    block 6). Returns (state, B's sliding-window blocks 2-5)."""
+    cfg = make_cfg(40, full(2), sliding(2, 4), max_model_len=32, max_num_batched_tokens=16)
+    prefix = PrefixCacheConfig.for_config(cfg)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    a = list(range(12))
+    b = a[:8] + list(range(90, 98))
+    state, ok = _allocate(state, cfg, prefix, [(0, 12, 0)], _uploads({0: prompt_unit_hashes(a, 2)}))
+    state, ok = _allocate(state, cfg, prefix, [(0, 0, 0)])
+    keys_b = prompt_unit_hashes(b, 2)
+    assert ok == [True] and _lookup_shared(state, cfg, prefix, keys_b, 16) == (8, 8)
+    state, result = ms.allocate(state, _pad([1], NUM_SLOTS), _pad([8], 0), None, None, _pad([8], 0),
+                                _uploads({1: keys_b}), _pad([shared_len], 0), cfg=cfg, prefix=prefix)
+    assert np.asarray(result.ok)[0]
+    window_blocks = np.asarray(state.block_tables)[1, 1, 2:6].tolist()
+    state, result = ms.allocate(state, _pad([1], NUM_SLOTS), _pad([0], 0), cfg=cfg, prefix=prefix)
+    check_invariants(cfg, state, prefix)
+    assert np.asarray(result.ok)[0] and (np.asarray(state.block_tables)[1, 1, :6] == NULL_BLOCK).all()
+    return state, window_blocks
+
+
+def test_window_blocks_past_the_shared_point_are_evicted_first():
+    # B's window blocks 2 and 3 (the run a sibling resuming at the shared point 8 needs) age at the tail;
+    # blocks 4 and 5 (B's own suffix) go to the head, still indexed, and are reused first.
+    state, (x2, x3, b4, b5) = _window_release(shared_len=8)
+    order = free_order(state.pool).tolist()
+    assert order[:2] == [b4, b5] and order[-2:] == [x3, x2]
+    assert {b4, b5} <= {block for block, _ in index_entries(state.prefix.index).values()}
+    # Without a shared point all four age at the tail, tail first.
+    state, (x2, x3, b4, b5) = _window_release(shared_len=0)
+    assert free_order(state.pool).tolist()[-4:] == [b5, b4, x3, x2]
+
+
+def test_recomputed_block_replaces_a_free_indexed_copy():
+    # A's freed blocks stay indexed; B computes the same 6 tokens without claiming them: B's (live)
+    # blocks take their index entries, A's old copies are uncached and reused first.
+    cfg = make_cfg(20, full(2), max_model_len=16, max_num_batched_tokens=16)
+    prefix = PrefixCacheConfig.for_config(cfg)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    keys = prompt_unit_hashes(list(range(7)), 2)
+    state, ok = _allocate(state, cfg, prefix, [(0, 7, 0)], _uploads({0: keys}))
+    old = np.asarray(state.block_tables)[0, 0, :3].tolist()
+    state = ms.free(state, _pad([0], NUM_SLOTS), cfg=cfg, prefix=prefix)
+    state, ok = _allocate(state, cfg, prefix, [(1, 7, 0)], _uploads({1: keys}))
+    assert ok == [True]
+    new = np.asarray(state.block_tables)[0, 1, :3].tolist()
+    assert not set(new) & set(old)
+    indexed = np.asarray(probe(state.prefix.index, np.asarray(keys, np.uint32), np.ones(len(keys), bool)))
+    assert indexed[:, 0].tolist() == new
+    assert free_order(state.pool).tolist()[:3] == old[::-1]  # last uncached, first reused
+    assert (np.asarray(state.pool.block_group)[old] == -1).all()
+
+
 # ---- random sequences against the model, with a fake KV store ---------------------------------
 
 # (config, prefix_match_unit, chunk sizes): tiny pools so that eviction and preemption happen.
@@ -247,7 +309,7 @@ def run_random_sequence(data, cfg, unit, chunk_sizes):
     model = ModelState(cfg, NUM_SLOTS, prefix)
     fake = FakeKV()
     live: dict[int, list[int]] = {}  # slot -> tokens; insertion order = admission order
-    looked_up: dict[int, int] = {}  # slot -> the last hit its lookup returned (may go stale)
+    looked_up: dict[int, tuple[int, int]] = {}  # slot -> its last lookup's (hit, shared length); may go stale
     max_len = cfg.max_model_len
 
     def keys_of(tokens):
@@ -267,20 +329,21 @@ def run_random_sequence(data, cfg, unit, chunk_sizes):
             slot = data.draw(st.sampled_from(sorted(live)), label="lookup_slot")
             if model.num_computed[slot] == 0:
                 tokens = live[slot]
-                hit = _lookup(state, cfg, prefix, keys_of(tokens), len(tokens))
-                assert hit == model.lookup(keys_of(tokens), len(tokens))
-                looked_up[slot] = hit
+                looked_up[slot] = _lookup_shared(state, cfg, prefix, keys_of(tokens), len(tokens))
+                assert looked_up[slot] == model.lookup(keys_of(tokens), len(tokens))
         elif op == "allocate" and live:
             slots = data.draw(st.permutations(sorted(live)), label="order")
             slots = slots[: data.draw(st.integers(1, len(slots)), label="batch_size")]
-            new_tokens, full_tokens, hits = [], [], []
+            new_tokens, full_tokens, hits, shared = [], [], [], []
             for slot in slots:
                 tokens, n = live[slot], model.num_computed[slot]
                 if n == len(tokens) and len(tokens) < max_len:
                     tokens.append(data.draw(st.integers(70, 72), label="decoded"))  # decode it
                 # A hit only on the first call: the last lookup's value, possibly stale by now.
-                hit = looked_up.pop(slot, 0) if n == 0 and data.draw(st.booleans(), label="claim") else 0
+                hit, shared_len = looked_up.pop(slot, (0, 0)) if n == 0 and data.draw(st.booleans(),
+                                                                                      label="claim") else (0, 0)
                 hits.append(hit)
+                shared.append(shared_len)
                 new_tokens.append(data.draw(st.integers(0, min(len(tokens) - n - hit, 8)), label="num_new_tokens"))
                 must_fit = n == 0 and data.draw(st.booleans(), label="must_fit")
                 full_tokens.append(len(tokens) if must_fit else 0)
@@ -292,11 +355,11 @@ def run_random_sequence(data, cfg, unit, chunk_sizes):
             uploads = {slot: keys_of(tokens) for slot, tokens in live.items()}
             state, result = ms.allocate(
                 state, _pad(slots, NUM_SLOTS), _pad(new_tokens, 0), _pad(full_tokens, 0), _pad(freed, NUM_SLOTS),
-                _pad(hits, 0), _uploads(uploads), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
+                _pad(hits, 0), _uploads(uploads), _pad(shared, 0), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
             model.free(freed)
             for slot, keys in uploads.items():
                 model.set_hashes(slot, keys)
-            expected_ok = model.allocate(slots, new_tokens, full_tokens, hits)
+            expected_ok = model.allocate(slots, new_tokens, full_tokens, hits, shared)
             assert np.asarray(result.ok).tolist() == expected_ok + [False] * (NUM_SLOTS - len(slots))
             assert int(result.num_free_blocks) == model.num_free_blocks
             assert int(result.num_hit_tokens) == sum(h for h, ok in zip(hits, expected_ok) if ok)
