@@ -30,6 +30,10 @@ the table entries [keep_from(h), h / b) (full: all; sliding window: the last
 cdiv(W − 1, b); chunked: the current chunk; state: the block at h), found by
 probing the index with the request's own keys. A claim is valid only if every
 one of them is found.
+
+Hits that end inside a block (a unit finer than a full-attention or state group's
+block: the prompt tail's partial entry, copy-on-write claims, pinned copies) are in
+`jaxkv.prefix_tails`.
 """
 
 from __future__ import annotations

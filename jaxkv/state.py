@@ -652,6 +652,9 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     (allocate's batch rule applies per step). Returns the state, ok bool[num_steps, R]
     and the decode tokens' slot mappings int32[num_steps, G, R] (−1 where not ok).
     Equals `num_steps` calls of `allocate` + `slot_mappings`. Jitted as `decode_steps`.
+    The loop returns no block copies: with hits inside blocks (`jaxkv.prefix_tails`), a row
+    whose last step ended at its prompt tail inside a state block must take its next call
+    through `allocate` (that call moves it to a copy of the block).
     """
     rules = group_rules(cfg)
     num_groups, num_slots, _ = state.block_tables.shape
