@@ -8,6 +8,7 @@ from jaxkv.layout import (
     RowField,
     allocate_cache,
     buffer_spec,
+    copy_blocks,
     find_layer,
     is_typed,
     locate_token,

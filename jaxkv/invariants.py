@@ -100,19 +100,26 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
                 _require((row[live:table_len] != NULL_BLOCK).all(),
                          f"slot {s} group {g}: a NULL_BLOCK inside the live range [{live}, {table_len})")
 
-    # Invariant 1: reference counts equal the live table entries holding each block.
+    # Invariant 1: reference counts equal the live table entries holding each block, plus one per
+    # pending copy naming it (source or destination: `jaxkv.prefix_tails`).
     counts = np.bincount(tables.reshape(-1), minlength=num_blocks)
+    if state.prefix is not None:
+        copy_src = np.asarray(state.prefix.copy_src)
+        dst = np.flatnonzero(copy_src)
+        _require(((copy_src >= 0) & (copy_src < num_blocks)).all(), "a copy source is outside the pool")
+        counts += np.bincount(np.concatenate([dst, copy_src[dst]]), minlength=num_blocks)
     counts[NULL_BLOCK] = 0
     bad = np.flatnonzero(counts != ref_cnt)
-    _require(bad.size == 0, f"blocks {bad[:8]} have ref_cnt {ref_cnt[bad[:8]]} but {counts[bad[:8]]} table entries")
+    _require(bad.size == 0, f"blocks {bad[:8]} have ref_cnt {ref_cnt[bad[:8]]} but {counts[bad[:8]]} table "
+                            "entries and pending copies")
 
     free = check_pool(pool)
 
-    # Invariant 2: num_free_blocks + distinct blocks in live tables == num_blocks − 1.
+    # Invariant 2: num_free_blocks + distinct blocks in live tables (or pinned by a copy) == num_blocks − 1.
     num_free = int(pool.num_free_blocks)
     num_used = int((counts > 0).sum())
     _require(num_free + num_used == num_blocks - 1,
-             f"num_free_blocks {num_free}, free blocks {len(free)}, blocks in tables {num_used}, "
+             f"num_free_blocks {num_free}, free blocks {len(free)}, blocks in tables or pinned {num_used}, "
              f"num_blocks − 1 = {num_blocks - 1}")
 
     _require((np.asarray(pool.block_group) < num_groups).all(), "block_group names a group that does not exist")
@@ -125,8 +132,10 @@ def _check_prefix(state: ManagerState, rules, unit: int) -> None:
 
     Every entry points to a block cached (pool.block_group / block_hash) under that key and
     group, and every cached block has an entry; a cached block in a live table sits where
-    the request's own key names it (no block in use is findable under a different hash) and
-    all its tokens were scheduled; cache progress stays within the scheduled blocks.
+    the request's own key names it (no block in use is findable under a different hash): at
+    its block end, with all its tokens scheduled, or (a partial entry, `jaxkv.prefix_tails`)
+    at a unit boundary inside it that the request has scheduled; cache progress stays within
+    the scheduled blocks.
     """
     prefix, pool = state.prefix, state.pool
     try:
@@ -158,10 +167,10 @@ def _check_prefix(state: ManagerState, rules, unit: int) -> None:
                 if group[block] == NOT_CACHED:
                     continue
                 _require(group[block] == g, f"slot {s} group {g} holds block {block}, cached for group {group[block]}")
-                _require((j + 1) * bs <= n, f"slot {s} group {g}: block {block} at index {j} is cached before all "
-                                            f"its tokens were scheduled ({n} computed)")
-                key_unit = (j + 1) * bs // unit - 1
-                if key_unit < num_hashed[s]:
-                    _require(tuple(req_hashes[s, key_unit].tolist()) == by_block[block][0],
-                             f"slot {s} group {g} holds block {block} at index {j}, cached under another "
-                             f"prefix's key")
+                key_units = range(j * bs // unit, min((j + 1) * bs // unit, n // unit, int(num_hashed[s])))
+                keys = [tuple(req_hashes[s, k].tolist()) for k in key_units]
+                if (j + 1) * bs <= n and (j + 1) * bs // unit - 1 >= num_hashed[s]:
+                    continue  # the block-end key is not uploaded: nothing to compare with
+                _require(by_block[block][0] in keys,
+                         f"slot {s} group {g} holds block {block} at index {j}, cached under a key that is not "
+                         f"one of its scheduled unit boundaries")

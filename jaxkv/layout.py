@@ -481,3 +481,47 @@ def _from_bytes(b: jax.Array, field: RowField) -> jax.Array:
     itemsize = dtype.itemsize
     b = b.reshape(*b.shape[:-1], *field.shape, *((itemsize,) if itemsize > 1 else ()))
     return b if dtype == jnp.uint8 else lax.bitcast_convert_type(b, dtype)
+
+
+# Copies between blocks.
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def copy_blocks(
+    cache: jax.Array,  # from allocate_cache(cfg)
+    copies: jax.Array,  # int32[C, 2 or more]: source block, destination block, ...
+    *,
+    cfg: KVCacheConfig,
+) -> jax.Array:  # the same buffer, updated
+    """Copies whole blocks: every layer's page of block `copies[i, 0]` to block `copies[i, 1]`.
+
+    The block copies the manager returns (`KVCacheManager.take_block_copies`,
+    `AllocateResult.copies`: source, destination, valid tokens) go through here before the
+    forward pass. A block-outer layout copies the block's whole row of the buffer; a
+    layer-outer one each layer's `block_stride` bytes of the block, in every view. Rows whose
+    source or destination is NULL_BLOCK (or outside the pool) copy nothing. All sources are
+    read before any destination is written: destinations must be distinct, and no destination
+    may be a source of the same call. Jitted, config static; the cache is donated and updated
+    in place: use the returned array.
+    """
+    copies = jnp.asarray(copies, jnp.int32).reshape(-1, copies.shape[-1])
+    src, dst = copies[:, 0], copies[:, 1]
+    valid = (src > NULL_BLOCK) & (src < cfg.num_blocks) & (dst > NULL_BLOCK) & (dst < cfg.num_blocks)
+    src = jnp.where(valid, src, NULL_BLOCK)
+    if is_typed(cfg) or cfg.layout.startswith("B"):
+        axis = cfg.layout.index("B") if is_typed(cfg) else 0  # a block-outer byte buffer has one row per block
+        index = [slice(None)] * cache.ndim
+        index[axis] = jnp.where(valid, dst, cfg.num_blocks)  # out of range: dropped
+        return cache.at[tuple(index)].set(jnp.take(cache, src, axis=axis), mode="drop")
+    # Layer-outer bytes: rows of U bytes; block b of layer l of view t spans block_stride // U rows.
+    unit = _row_unit(cfg)
+    num_rows = cache.shape[0]
+    bases = sorted({(t.offset + l * t.layer_stride) // unit for t in cfg.tensors for l in range(len(t.layers))})
+    span = max(t.block_stride for t in cfg.tensors) // unit
+    if any(t.block_stride // unit != span for t in cfg.tensors):
+        raise ValueError(f"views of one buffer have different block strides: "
+                         f"{sorted({t.block_stride for t in cfg.tensors})}")
+    within = jnp.asarray(bases, jnp.int32)[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [V, span]
+    src_rows = within[None] + (src * span)[:, None, None]  # [C, V, span]
+    dst_rows = jnp.where(valid[:, None, None], within[None] + (dst * span)[:, None, None], num_rows)
+    return cache.at[dst_rows.reshape(-1)].set(cache[src_rows.reshape(-1)], mode="drop")

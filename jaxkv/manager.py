@@ -21,6 +21,13 @@ the cache salt in the first unit); the keys ride to the device with the next
 allocation (`prefix_state.store_hashes`), which caches every block whose tokens
 it schedules. `get_computed_tokens` sends the request's keys with the lookup
 (one dispatch, nothing changes on the device).
+
+Hits inside a block (a `prefix_match_unit` finer than a full-attention or state group's
+block, `jaxkv.prefix_tails`): an allocation may make block copies. Take them with
+`take_block_copies()` and apply them (`jaxkv.layout.copy_blocks`) before the forward pass
+that computes the allocated tokens; both blocks of a copy stay referenced until the next
+allocation after it was taken. Reading block tables or slot mappings with copies not taken
+raises.
 """
 
 from __future__ import annotations
@@ -37,25 +44,30 @@ from jaxkv import state as st
 from jaxkv.config import KVCacheConfig
 from jaxkv.hashing import HashMode, UnitHasher, digests_to_keys
 from jaxkv.invariants import check_invariants
-from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig, store_hashes
+from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
 from jaxkv.specs import cdiv
 
 PREFIX_STATS = ("lookups", "lookup_tokens", "hit_tokens", "reconciliation_miss_tokens", "claimed_hit_tokens")
 FREE_ROWS = 8  # pending frees carried by one allocation; more are flushed in their own dispatch
 SMALL_ROWS = 8  # batches are padded to this many rows, or to max_num_seqs
 UPLOAD_ROWS = 1024  # unit keys carried by one allocation; more are stored in their own dispatch
+RELEASE_ROWS = 64  # taken block copies released by one allocation; more wait for the next
 _MIN_KEY_WIDTH = 64  # lookups pass keys padded to 64, 256, 1024, ... units
 
 
-def _allocate_packed(state, rows, free_slots, uploads, *, cfg, prefix):
+def _allocate_packed(state, rows, free_slots, uploads, released=None, *, cfg, prefix):
     """`st._allocate` with the row arrays packed as int32[5, R] (slots, new tokens, full tokens, hit tokens,
-    shared tokens) and the result packed as int32[R + 2] (ok flags, num_free_blocks, hit tokens claimed):
-    one argument and one transfer instead of several."""
+    shared tokens; with `released` copies, a sixth row: prompt tokens) and the result packed as int32[R + 2]
+    (ok flags, num_free_blocks, hit tokens claimed; with `released`, then the copies int32[R × G × 3]): one
+    argument and one transfer instead of several."""
     hits, shared = (None, None) if prefix is None else (rows[3], rows[4])
-    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, hits, uploads, shared, cfg=cfg,
-                                 prefix=prefix)
-    return state, jnp.concatenate([result.ok.astype(jnp.int32), result.num_free_blocks[None],
-                                   result.num_hit_tokens[None]])
+    prompts = None if released is None else rows[5]
+    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, hits, uploads, prompts, released,
+                                 shared, cfg=cfg, prefix=prefix)
+    out = [result.ok.astype(jnp.int32), result.num_free_blocks[None], result.num_hit_tokens[None]]
+    if released is not None:
+        out.append(result.copies.reshape(-1))
+    return state, jnp.concatenate(out)
 
 
 def _lookup_packed(state, keys, rows, *, cfg, prefix):
@@ -106,6 +118,10 @@ class KVCacheManager:
         self.hash_mode = hash_mode
         self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
         self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn = _jitted(cfg, self.prefix_config)
+        self._tails = self.prefix_config is not None and bool(partial_groups(cfg, self.prefix_config))
+        self._num_prompt = np.zeros(self.max_num_seqs, np.int64)
+        self._copies: list[np.ndarray] = []  # block copies not taken yet: int32[., 3]
+        self._release: list[int] = []  # destinations of copies taken, their pins not released yet
         self._hashers: list[UnitHasher | None] = [None] * self.max_num_seqs
         self._keys: list[np.ndarray | None] = [None] * self.max_num_seqs  # uint32[units, 4] per slot
         self._uploads: list[tuple[int, int]] = []  # (slot, first unit) of keys not on the device yet
@@ -162,6 +178,7 @@ class KVCacheManager:
         self._slot_of[request_id] = slot
         self._token_ids[slot] = token_ids
         self._num_tokens[slot] = len(token_ids)
+        self._num_prompt[slot] = len(token_ids)
         self._num_computed[slot] = 0
         self._shared_len[slot] = 0
         if self.prefix_config is not None:
@@ -255,8 +272,9 @@ class KVCacheManager:
         """
         slots = self._slots(request_ids)
         num_rows = self._num_rows(len(slots))
-        # slots, new tokens, full tokens, hit tokens, shared tokens (padding: slot S, 0, 0, 0, 0)
-        rows = np.zeros((5, num_rows), np.int64)
+        # slots, new tokens, full tokens, hit tokens, shared tokens (padding: slot S, 0, 0, 0, 0); prompt tokens
+        # (hits inside blocks)
+        rows = np.zeros((6 if self._tails else 5, num_rows), np.int64)
         rows[0] = self.max_num_seqs
         rows[0, : len(slots)] = slots
         num_new = rows[1, : len(slots)]
@@ -299,16 +317,46 @@ class KVCacheManager:
                 self._flush_uploads()
                 free_slots = None
             uploads = self._take_uploads(UPLOAD_ROWS)
+        released = None
+        if self._tails:
+            rows[5, : len(slots)] = self._num_prompt[slots]
+            released = np.zeros(RELEASE_ROWS, np.int32)
+            released[: len(self._release[:RELEASE_ROWS])] = self._release[:RELEASE_ROWS]
         rows = rows.astype(np.int32)
-        self._state, packed = self._allocate_fn(self._state, rows, free_slots, uploads)
+        self._state, packed = self._allocate_fn(self._state, rows, free_slots, uploads, released)
         self._pending_free.clear()
         packed = np.asarray(packed)
+        if self._tails:
+            del self._release[:RELEASE_ROWS]
+            copies = packed[num_rows + 2:].reshape(-1, 3)
+            copies = copies[copies[:, 1] != 0]
+            if len(copies):
+                self._copies.append(copies)
         ok = packed[: len(slots)] != 0
         self._num_free_blocks = int(packed[num_rows])
         self.prefix_stats["claimed_hit_tokens"] += int(packed[num_rows + 1])
         self._num_computed[slots[ok]] += (rows[1, : len(slots)] + rows[3, : len(slots)])[ok]
         self._check()
         return ok
+
+    def take_block_copies(self) -> np.ndarray:
+        """int32[C, 3]: the block copies allocations made since the last call (source, destination,
+        valid tokens of the block), in order; they are handed over.
+
+        Apply them (`jaxkv.layout.copy_blocks(cache, copies, cfg=cfg)`) before the forward pass
+        that computes the allocated tokens. Both blocks of each copy stay referenced until the
+        next allocation, which releases them. Empty unless hits can end inside a block.
+        """
+        copies = np.concatenate(self._copies) if self._copies else np.zeros((0, 3), np.int32)
+        self._copies.clear()
+        self._release.extend(copies[:, 1].tolist())
+        return copies
+
+    def _check_copies_taken(self) -> None:
+        if self._copies:
+            num = sum(len(c) for c in self._copies)
+            raise ValueError(f"{num} block copies of earlier allocations were not taken; call "
+                             "take_block_copies() and apply them (jaxkv.layout.copy_blocks) before the forward pass")
 
     # ---- freeing ---------------------------------------------------------------------------
     def free(self, request_id: Hashable) -> None:
@@ -446,12 +494,18 @@ class KVCacheManager:
         return self._slots(request_ids)
 
     def block_tables(self, request_ids: Sequence[Hashable]) -> jax.Array:
-        """int32[G, R, M] on device: the requests' block tables as the attention kernels take them."""
+        """int32[G, R, M] on device: the requests' block tables as the attention kernels take them.
+
+        Raises if block copies were not taken (`take_block_copies`)."""
+        self._check_copies_taken()
         return st.block_tables(self.state, self._slots(request_ids))
 
     def slot_mappings(self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int],
                       num_tokens: int) -> jax.Array:
-        """int32[G, T] on device: slots of the tokens just allocated (T = `num_tokens`, padded with −1)."""
+        """int32[G, T] on device: slots of the tokens just allocated (T = `num_tokens`, padded with −1).
+
+        Raises if block copies were not taken (`take_block_copies`)."""
+        self._check_copies_taken()
         num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
         if num_new.sum() > num_tokens:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
@@ -501,11 +555,12 @@ class KVCacheManager:
         if self.prefix_config is not None:
             uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
             uploads[:, 0] = self.max_num_seqs  # padding only
+        released = np.zeros(RELEASE_ROWS, np.int32) if self._tails else None
         for num_rows in sorted({self._num_rows(1), self.max_num_seqs}):
-            rows = np.zeros((4, num_rows), np.int32)
+            rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
             rows[0] = self.max_num_seqs  # padding rows only
             for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
-                self._state, _ = self._allocate_fn(self._state, rows, free_slots, uploads)
+                self._state, _ = self._allocate_fn(self._state, rows, free_slots, uploads, released)
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
             self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
 

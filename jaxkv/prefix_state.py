@@ -30,6 +30,10 @@ the table entries [keep_from(h), h / b) (full: all; sliding window: the last
 cdiv(W − 1, b); chunked: the current chunk; state: the block at h), found by
 probing the index with the request's own keys. A claim is valid only if every
 one of them is found.
+
+Hits that end inside a block (a unit finer than a full-attention or state group's
+block: the prompt tail's partial entry, copy-on-write claims, pinned copies) are in
+`jaxkv.prefix_tails`.
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ class PrefixState:
     shared_len:        int32[S]         tokens of the request's prompt its full-attention groups
                                         found cached on admission: where its prefix is known to
                                         be shared (its window blocks past it are evicted first)
+    prompt_len:        int32[S]         each request's prompt tokens (0: not given; `prefix_tails`)
+    copy_src:          int32[N]         source block of the pending copy into each block (NULL_BLOCK:
+                                        none); both blocks hold a reference until it is released
     """
 
     index: IndexState
@@ -106,6 +113,8 @@ class PrefixState:
     num_hashed_units: jax.Array
     num_cached_blocks: jax.Array
     shared_len: jax.Array
+    prompt_len: jax.Array
+    copy_src: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -144,6 +153,8 @@ def init_prefix_state(cfg: KVCacheConfig, prefix: PrefixCacheConfig, max_num_seq
         num_hashed_units=jnp.zeros(max_num_seqs, jnp.int32),
         num_cached_blocks=jnp.zeros((len(cfg.groups), max_num_seqs), jnp.int32),
         shared_len=jnp.zeros(max_num_seqs, jnp.int32),
+        prompt_len=jnp.zeros(max_num_seqs, jnp.int32),
+        copy_src=jnp.zeros(cfg.num_blocks, jnp.int32),
     )
 
 
@@ -184,12 +195,13 @@ def store_hashes(prefix_state: PrefixState, uploads) -> PrefixState:
 
 
 def forget_slots(prefix_state: PrefixState, scatter_slots) -> PrefixState:
-    """Empties the hashes and cache progress of `scatter_slots` int32[F] (S: padding)."""
+    """Empties the hashes, prompt length and cache progress of `scatter_slots` int32[F] (S: padding)."""
     return dataclasses.replace(
         prefix_state,
         num_hashed_units=prefix_state.num_hashed_units.at[scatter_slots].set(0, mode="drop"),
         num_cached_blocks=prefix_state.num_cached_blocks.at[:, scatter_slots].set(0, mode="drop"),
         shared_len=prefix_state.shared_len.at[scatter_slots].set(0, mode="drop"),
+        prompt_len=prefix_state.prompt_len.at[scatter_slots].set(0, mode="drop"),
     )
 
 
@@ -352,14 +364,21 @@ def count_sole_holders(state, slots, start, count, *, chunk_sizes):
     return in_chunks(layout[-1], chunk_sizes, count_body, jnp.zeros(num_rows, jnp.int32))
 
 
-def _index_blocks(state, keys, blocks, valid):
-    """Indexes `blocks` int32[K, G] under keys uint32[K, 4] where valid bool[K]; marks the placed ones cached."""
+def index_blocks(state, keys, blocks, valid):
+    """Indexes `blocks` int32[K, G] under keys uint32[K, 4] where valid bool[K]; marks the placed ones cached.
+
+    Returns (state, placed bool[K, G]).
+    """
     index, placed = insert(state.prefix.index, keys, blocks, valid)
     num_groups = blocks.shape[1]
     group = jnp.broadcast_to(jnp.arange(num_groups, dtype=jnp.int32)[None, :], blocks.shape).reshape(-1)
     all_keys = jnp.broadcast_to(keys[:, None, :], blocks.shape + keys.shape[1:]).reshape(-1, HASH_WORDS)
     pool = mark_cached(state.pool, blocks.reshape(-1), all_keys, group, placed.reshape(-1))
-    return dataclasses.replace(state, pool=pool, prefix=dataclasses.replace(state.prefix, index=index))
+    return dataclasses.replace(state, pool=pool, prefix=dataclasses.replace(state.prefix, index=index)), placed
+
+
+def _index_blocks(state, keys, blocks, valid):
+    return index_blocks(state, keys, blocks, valid)[0]
 
 
 def _uncache_free_blocks(state, blocks, valid):
@@ -432,6 +451,13 @@ def hit_rules(cfg: KVCacheConfig) -> tuple[HitRule, ...]:
     return tuple(HitRule.for_spec(g.spec) for g in cfg.groups)
 
 
+def partial_groups(cfg: KVCacheConfig, prefix: PrefixCacheConfig) -> tuple[int, ...]:
+    """The groups where a hit may end inside a block (static): full-attention and state groups whose
+    block is larger than the unit (see `jaxkv.prefix_tails`)."""
+    return tuple(g for g, group in enumerate(cfg.groups)
+                 if group.kind in ("full", "mamba") and group.block_size > prefix.unit)
+
+
 def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig, prefix: PrefixCacheConfig,
            chunk_sizes) -> tuple[jax.Array, PrefixStats]:
     """The longest prefix-cache hit of each request, valid for every group; changes nothing.
@@ -444,9 +470,14 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     request's prefix is known to be shared. Every group's candidate blocks up to the bound
     (at most X units) are probed, in chunks; then each group's valid hit lengths
     (`prefix_rules.valid_hit_blocks`) are intersected on a grid of gcd(block sizes)
-    tokens, as `prefix_rules.prefix_hit_len` does.
+    tokens, as `prefix_rules.prefix_hit_len` does. With partial groups (`partial_groups`)
+    every unit is probed and the grid is the unit: a length h inside a block is valid for a
+    full-attention group when its full blocks before h are cached and (key(h), g) is
+    indexed (a partial entry), for a state group when (key(h), g) is; other groups need h
+    on their block boundaries.
     """
     rules = hit_rules(cfg)
+    partial = partial_groups(cfg, prefix)
     keys, num_keys, num_tokens = jnp.asarray(keys), jnp.asarray(num_keys), jnp.asarray(num_tokens)
     num_rows, num_keys_max = keys.shape[:2]
     num_groups = len(rules)
@@ -456,13 +487,15 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     max_width = max(widths)
     valid_tokens = jnp.where(num_keys > 0, num_tokens, 0)
     bound = jnp.minimum(jnp.maximum(valid_tokens - 1, 0), num_keys * prefix.unit)  # [R]
-    # Block-end units up to the bound, one probe each for all groups (grid step s = gcd(units per block)).
-    unit_step = math.gcd(*units_per_block.tolist())
+    # Block-end units up to the bound, one probe each for all groups (grid step s = gcd(units per block));
+    # every unit with partial groups.
+    unit_step = 1 if partial else math.gcd(*units_per_block.tolist())
     num_k = bound // (unit_step * prefix.unit)  # [R]
     layout = range_layout(num_k, max_entries=num_rows * num_keys_max)
 
     def probe_body(size):
-        def probe_chunk(chunk_idx, cached):
+        def probe_chunk(chunk_idx, carry):
+            cached, at_unit = carry
             in_range, row, k = range_chunk(layout, chunk_idx, size)
             unit = (k + 1) * unit_step - 1
             unit_keys = keys.at[row, jnp.clip(unit, 0, num_keys_max - 1)].get(mode="fill", fill_value=0)
@@ -471,20 +504,38 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
             block_idx = (unit[:, None] + 1) // units_per_block[None, :] - 1
             flat = (row[:, None] * num_groups + np.arange(num_groups)[None, :]) * max_width + block_idx
             flat = jnp.where(found & ends, flat, cached.size)
-            return cached.reshape(-1).at[flat].set(True, mode="drop").reshape(cached.shape)
+            cached = cached.reshape(-1).at[flat].set(True, mode="drop").reshape(cached.shape)
+            if partial:
+                flat = (row[:, None] * num_groups + np.arange(num_groups)[None, :]) * num_keys_max + unit[:, None]
+                at_unit = at_unit.reshape(-1).at[jnp.where(found, flat, at_unit.size)].set(
+                    True, mode="drop").reshape(at_unit.shape)
+            return cached, at_unit
 
         return probe_chunk
 
-    cached = in_chunks(layout[-1], chunk_sizes, probe_body, jnp.zeros((num_rows, num_groups, max_width), bool))
-    step = math.gcd(*block_sizes.tolist())
+    at_unit = jnp.zeros((num_rows, num_groups, num_keys_max if partial else 0), bool)
+    cached, at_unit = in_chunks(layout[-1], chunk_sizes, probe_body,
+                                (jnp.zeros((num_rows, num_groups, max_width), bool), at_unit))
+    step = prefix.unit if partial else math.gcd(*block_sizes.tolist())
     hit_lens = np.arange(0, num_keys_max * prefix.unit + 1, step, dtype=np.int32)  # the grid
-    ok = hit_lens[None, :] <= bound[:, None]  # [R, grid]
+    below = hit_lens[None, :] <= bound[:, None]  # [R, grid]
+    ok = below
     own = []  # each group's own longest valid hit
     for g, rule in enumerate(rules):
         valid = valid_hit_blocks(rule, cached[:, g, : widths[g]])  # [R, W_g + 1]
-        lens = np.arange(widths[g] + 1, dtype=np.int32) * rule.block_size
-        own.append(jnp.max(jnp.where(valid & (lens[None, :] <= bound[:, None]), lens, 0), axis=1))
-        ok &= (hit_lens % rule.block_size == 0) & valid[:, hit_lens // rule.block_size]
+        on_block = hit_lens % rule.block_size == 0
+        if g in partial:
+            # key(h) indexed for group g: at_unit[unit h / u − 1] (h = 0: nothing needed).
+            keyed = jnp.concatenate([jnp.ones((num_rows, 1), bool), at_unit[:, g, hit_lens[1:] // prefix.unit - 1]],
+                                    axis=1)
+            if rule.kind == "full":
+                group_ok = valid[:, hit_lens // rule.block_size] & (on_block | keyed)
+            else:
+                group_ok = keyed
+        else:
+            group_ok = on_block & valid[:, np.minimum(hit_lens // rule.block_size, widths[g])]
+        own.append(jnp.max(jnp.where(group_ok & below, hit_lens, 0), axis=1))
+        ok &= group_ok
     hit_len = jnp.max(jnp.where(ok, hit_lens, 0), axis=1)
     is_full = [r.kind == "full" for r in rules]
     full_len = jnp.max(jnp.stack([o for o, f in zip(own, is_full) if f] or [hit_len]), axis=0)

@@ -37,6 +37,7 @@ from jax import lax
 
 from jaxkv.config import KVCacheConfig
 from jaxkv import prefix_state as ps
+from jaxkv import prefix_tails as pt
 from jaxkv.pool import PoolState, cumsum, init_pool, pop, release
 from jaxkv.prefix_cache import remove
 from jaxkv.ranges import in_chunks as _in_chunks
@@ -76,14 +77,18 @@ jax.tree_util.register_dataclass(
 @dataclasses.dataclass(frozen=True)
 class AllocateResult:
     """ok: bool[R] (padding rows False); num_free_blocks: int32[] after the call;
-    num_hit_tokens: int32[] prefix-cache hit tokens the ok rows claimed."""
+    num_hit_tokens: int32[] prefix-cache hit tokens the ok rows claimed;
+    copies: int32[R, G, 3] block copies the call made (source, destination, valid tokens of the
+    block; zeros: none): apply them before the forward pass, then release them in a later call
+    (`jaxkv.prefix_tails`)."""
 
     ok: jax.Array
     num_free_blocks: jax.Array
     num_hit_tokens: jax.Array
+    copies: jax.Array
 
 
-jax.tree_util.register_dataclass(AllocateResult, data_fields=["ok", "num_free_blocks", "num_hit_tokens"],
+jax.tree_util.register_dataclass(AllocateResult, data_fields=["ok", "num_free_blocks", "num_hit_tokens", "copies"],
                                  meta_fields=[])
 
 
@@ -308,7 +313,8 @@ def _forget_rows(state: ManagerState, req_slots, rules: GroupRules):
 
 
 def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None,
-              num_hit_tokens=None, hash_uploads=None, num_shared_tokens=None, *, cfg: KVCacheConfig,
+              num_hit_tokens=None, hash_uploads=None, num_prompt_tokens=None, released_copies=None,
+              num_shared_tokens=None, *, cfg: KVCacheConfig,
               chunk_sizes: tuple[int, ...] | None = None,
               prefix: ps.PrefixCacheConfig | None = None) -> tuple[ManagerState, AllocateResult]:
     """Makes room for `num_new_tokens` more tokens of each request, in priority order.
@@ -324,6 +330,11 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
                      first, on a request's first call (see `_allocate_cached`)
     hash_uploads:    uint32[X, 6] or None (prefix caching): unit keys to store first
                      (`prefix_state.store_hashes`; after the frees)
+    num_prompt_tokens: int32[R] or None (prefix caching): the rows' prompt lengths (0:
+                     unknown); with a unit finer than a block, the prompt tail's final unit
+                     boundary gets a partial entry (`jaxkv.prefix_tails`)
+    released_copies: int32[C] or None (prefix caching): destinations of copies returned by
+                     earlier calls that have been applied; their pins are dropped first
     num_shared_tokens: int32[R] or None (prefix caching): on a request's first call, the
                      tokens its full-attention groups found cached (`lookup`'s shared_len):
                      window retention (`_allocate_cached`) evicts its window blocks past
@@ -352,10 +363,13 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     if state.prefix is not None:
         prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
         return _allocate_cached(state, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
-                                hash_uploads, num_shared_tokens, rules=rules, prefix=prefix, sizes=sizes)
-    if num_hit_tokens is not None or hash_uploads is not None or num_shared_tokens is not None:
-        raise ValueError("num_hit_tokens / hash_uploads / num_shared_tokens given, but the state has no prefix "
-                         "cache; make it with init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))")
+                                hash_uploads, num_prompt_tokens, released_copies, num_shared_tokens, rules=rules,
+                                prefix=prefix, sizes=sizes)
+    if any(a is not None for a in (num_hit_tokens, hash_uploads, num_prompt_tokens, released_copies,
+                                   num_shared_tokens)):
+        raise ValueError("num_hit_tokens / hash_uploads / num_prompt_tokens / released_copies / num_shared_tokens "
+                         "given, but the state has no prefix cache; "
+                         "make it with init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))")
     shape = state.block_tables.shape
     num_free = state.pool.num_free_blocks
     if free_slots is not None:
@@ -408,16 +422,27 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
     num_slots = state.num_computed.shape[0]
     num_computed = state.num_computed.at[jnp.where(ok, slots, num_slots)].set((n + k)[:, 0], mode="drop")
     state = dataclasses.replace(state, num_computed=num_computed)
-    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=jnp.int32(0))
+    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=jnp.int32(0),
+                                 copies=jnp.zeros((ok.shape[0], shape[0], 3), jnp.int32))
+
+
+def _partial_groups(rules: GroupRules, prefix: ps.PrefixCacheConfig):
+    """(bool[G] mask, full-attention groups, state groups) where hits may end inside a block (static)."""
+    mask = ((rules.kind == FULL) | (rules.kind == MAMBA)) & (rules.block_size > prefix.unit)
+    return (mask, tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == FULL))),
+            tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == MAMBA))))
 
 
 def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
-                     hash_uploads, num_shared_tokens, *, rules: GroupRules, prefix: ps.PrefixCacheConfig,
-                     sizes: tuple[int, ...]):
+                     hash_uploads, num_prompt_tokens=None, released_copies=None, num_shared_tokens=None, *,
+                     rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes: tuple[int, ...]):
     """`_allocate` with a prefix cache: vLLM's row-by-row outcome, with hits claimed first.
 
+    0. With a unit finer than some full-attention or state group's block (`jaxkv.prefix_tails`):
+       the released copies drop their pins first.
     1. The freed requests release their blocks (the exact free count follows); uploaded
-       keys are stored; state blocks that the rows' last step ended on become findable.
+       keys and prompt lengths are stored; state blocks that the rows' last step ended on
+       become findable, and so do the rows' prompt-tail blocks (`prefix_tails.register_tails`).
     2. Claims: each row with h = num_hit_tokens > 0 (a request's first call) takes, per
        group, the blocks its rule needs at h (`prefix_state.claim_hits`), tentatively,
        in row order: references up, out of the free order, before any row takes a new
@@ -425,6 +450,9 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
        only if every block is still cached under the request's keys, h is a multiple of
        every group's block size and its keys are uploaded; otherwise the row fails (no
        stale or partial hit is ever claimed). A valid claim counts as h computed tokens.
+       A hit ending inside block j of a partial group claims its source (`claim_tails`)
+       and takes a fresh block at j (copy-on-write: one more block to take, pinned with
+       its source; a state group writing a later block holds the source at j instead).
     3. Rows in order as in `_allocate`, a row taking its new blocks plus its claimed
        blocks that were free (each counted once); its release counts as freeing the
        blocks it holds alone (count 1 after the claims: a lower bound, exact unless two
@@ -440,16 +468,28 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
     shape = state.block_tables.shape
     num_groups, num_slots, max_blocks = shape
     state_groups = tuple(int(g) for g in np.flatnonzero(rules.kind == MAMBA))
+    partial_mask, full_partial, state_partial = _partial_groups(rules, prefix)
+    has_partial = bool(partial_mask.any())
+    tail_args = dict(block_size=rules.block_size, unit=prefix.unit, full_groups=full_partial,
+                     state_groups=state_partial)
+    if released_copies is not None:
+        state = pt.release_copies(state, released_copies)
     if free_slots is not None:
         state = _free_cached(state, free_slots, rules, prefix, sizes)
     if hash_uploads is not None:
         state = dataclasses.replace(state, prefix=ps.store_hashes(state.prefix, hash_uploads))
     row, slots, scatter_slots = _rows(state, req_slots)
+    if num_prompt_tokens is not None:
+        state = dataclasses.replace(state, prefix=pt.set_prompt_len(state.prefix, scatter_slots,
+                                                                    jnp.where(row, num_prompt_tokens, 0)))
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
     k = jnp.where(row, num_new_tokens, 0)[:, None]
     first_call = row & (n[:, 0] == 0)
     state = ps.cache_state_blocks(state, scatter_slots, n[:, 0], state_groups=state_groups, rules=rules,
                                   prefix=prefix)
+    copies = jnp.zeros((row.shape[0], num_groups, 3), jnp.int32)
+    if has_partial:
+        state, copies = pt.register_tails(state, scatter_slots, n[:, 0], move=True, **tail_args)
     num_free = state.pool.num_free_blocks
 
     # 2. Claims.
@@ -460,12 +500,15 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
     else:
         hit = row & (num_hit_tokens > 0)
         h = jnp.where(hit, num_hit_tokens, 0)[:, None]
-        hit_ok = hit & first_call & jnp.all(h % rules.block_size == 0, axis=1) & (h[:, 0] <= hashed_len)
+        aligned = jnp.all((h % rules.block_size == 0) | partial_mask, axis=1) & (h[:, 0] % prefix.unit == 0)
+        hit_ok = hit & first_call & aligned & (h[:, 0] <= hashed_len)
         hit_len = jnp.where(hit_ok[:, None], h, 0)
     hit_blocks = hit_len // rules.block_size  # [R, G]
     claim_start = keep_from_idx(hit_len, rules)
     claim_count = jnp.where(hit_ok[:, None], hit_blocks - claim_start, 0)
     num_taken_free = jnp.zeros_like(n[:, 0])
+    partial = hit_ok[:, None] & partial_mask & (hit_len % rules.block_size != 0)  # [R, G]
+    tail_src = jnp.zeros_like(partial, dtype=jnp.int32)
     if num_hit_tokens is not None:
         state, num_found, num_taken_free = run_if(
             jnp.any(hit_ok),
@@ -473,9 +516,18 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
                                         chunk_sizes=sizes),
             (state, num_taken_free, num_taken_free))
         hit_ok = hit_ok & (num_found == jnp.sum(claim_count, axis=1))
+        if has_partial:
+            state, tail_src, tails_found, tails_taken = pt.claim_tails(state, slots, hit_len[:, 0], partial,
+                                                                       unit=prefix.unit)
+            hit_ok = hit_ok & tails_found
+            num_taken_free = num_taken_free + tails_taken
     n = jnp.where(hit_ok[:, None], hit_len, n)
     first_live = jnp.where(hit_ok[:, None], claim_start, state.first_live_idx[:, slots].T)  # [R, G]
     keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
+    # Copy-on-write: a hit inside block j takes a fresh block at j (a state group only if its step writes j).
+    cow = partial & hit_ok[:, None] & ((rules.kind == FULL) | (hit_len + k <= (hit_blocks + 1) * rules.block_size))
+    first_new = jnp.where(cow, hit_blocks, first_new)
+    need = need + cow
 
     # 3. The rows in order. The blocks releases free matter only if the rows do not all fit without.
     num_released = jnp.where(row[:, None], num_released, 0)
@@ -504,6 +556,8 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
         state = run_if(jnp.any(unclaim_count > 0),
                        lambda state: ps.unclaim_hits(state, slots, claim_start, unclaim_count, chunk_sizes=sizes),
                        state)
+        if has_partial:
+            state = pt.unclaim_tails(state, tail_src, ok)
 
     # 4. Releases, new blocks, caching. Window retention: a window block past the request's
     # shared point is evicted first (no other request's prompt is known to share it).
@@ -516,9 +570,16 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
     state = dataclasses.replace(
         state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(new_first_live.T, mode="drop"))
     state = _fill_ranges(state, _table_ranges(shape, slots, first_new, jnp.where(ok[:, None], need, 0)), sizes)
+    if has_partial:
+        state, claim_copies = pt.place_tails(state, slots, hit_len[:, 0], jnp.where(ok[:, None], tail_src, NULL_BLOCK),
+                                             cow, block_size=rules.block_size)
+        copies = copies + claim_copies
     ok_slots = jnp.where(ok, slots, num_slots)
     state = dataclasses.replace(state, num_computed=state.num_computed.at[ok_slots].set((n + k)[:, 0], mode="drop"))
     cache_from = jnp.where((ok & hit_ok)[:, None], hit_blocks, state.prefix.num_cached_blocks[:, slots].T)
+    if full_partial:
+        state = pt.unindex_filled_tails(state, ok_slots, (n + k)[:, 0], cache_from, **{
+            key: tail_args[key] for key in ("block_size", "unit", "full_groups")})
     full_blocks = jnp.minimum(n + k, hashed_len[:, None]) // rules.block_size  # [R, G]
     attention = ok[:, None] & (rules.kind != MAMBA)
     cache_count = jnp.where(attention, jnp.maximum(full_blocks - cache_from, 0), 0)
@@ -534,16 +595,24 @@ def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_to
             jnp.maximum(num_shared_tokens, 0), mode="drop"))
     state = dataclasses.replace(state, prefix=prefix_state)
     num_hit = jnp.sum(jnp.where(ok & hit_ok, hit_len[:, 0], 0))
-    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=num_hit)
+    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=num_hit,
+                                 copies=copies)
 
 
 def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes):
-    """`_free` with a prefix cache: the state blocks the requests' last step ended on become
-    findable first; the slots' keys and cache progress are forgotten."""
+    """`_free` with a prefix cache: the state blocks the requests' last step ended on, and their
+    prompt-tail blocks (`prefix_tails.register_tails`), become findable first; the slots' keys and
+    cache progress are forgotten. Pinned copies stay pinned."""
     row, slots, scatter_slots = _rows(state, req_slots)
-    state = ps.cache_state_blocks(state, scatter_slots, jnp.where(row, state.num_computed[slots], 0),
+    num_computed = jnp.where(row, state.num_computed[slots], 0)
+    state = ps.cache_state_blocks(state, scatter_slots, num_computed,
                                   state_groups=tuple(int(g) for g in np.flatnonzero(rules.kind == MAMBA)),
                                   rules=rules, prefix=prefix)
+    partial_mask, full_partial, state_partial = _partial_groups(rules, prefix)
+    if partial_mask.any():
+        state, _ = pt.register_tails(state, scatter_slots, num_computed, block_size=rules.block_size,
+                                     unit=prefix.unit, full_groups=full_partial, state_groups=state_partial,
+                                     move=False)
     state, ranges, _ = _forget_rows(state, req_slots, rules)
     state = dataclasses.replace(state, prefix=ps.forget_slots(state.prefix, scatter_slots))
     return _release_ranges(state, ranges, sizes)
@@ -605,6 +674,9 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     (allocate's batch rule applies per step). Returns the state, ok bool[num_steps, R]
     and the decode tokens' slot mappings int32[num_steps, G, R] (−1 where not ok).
     Equals `num_steps` calls of `allocate` + `slot_mappings`. Jitted as `decode_steps`.
+    The loop returns no block copies: with hits inside blocks (`jaxkv.prefix_tails`), a row
+    whose last step ended at its prompt tail inside a state block must take its next call
+    through `allocate` (that call moves it to a copy of the block).
     """
     rules = group_rules(cfg)
     num_groups, num_slots, _ = state.block_tables.shape

@@ -26,6 +26,14 @@ With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.state._allocate_c
 * caching a full block whose key and group hold a free indexed block: that old
   copy leaves the index, uncached, to the head, and the new block is indexed;
 * free: state blocks the last step ended on are cached first.
+
+With a unit finer than a full-attention or state group's block (`jaxkv.prefix_tails`):
+* the rows' prompt lengths are recorded; prompt-tail blocks are indexed at the start of a call
+  (a state block's owner then moves to a fresh block, with a pinned copy) and at free;
+* a hit inside a block claims its source; the request takes a fresh block there (the first of
+  its new blocks) with a pinned copy, or, for a state group writing a later block, holds it;
+* a partially indexed tail block that the scheduled tokens fill is taken out of the index
+  before the caching pass; released copies drop their pins first (source, then destination).
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ class ModelState:
             self.hashes: list[list[tuple[int, ...]]] = [[] for _ in range(max_num_seqs)]  # unit keys per slot
             self.num_cached = [[0] * max_num_seqs for _ in range(num_groups)]
             self.shared_len = [0] * max_num_seqs  # the shared length each request was admitted with
+            self.prompt_len = [0] * max_num_seqs
+            self.copies: dict[int, int] = {}  # pending copies: destination -> source (both pinned)
+            self.partial = [g for g, group in enumerate(cfg.groups)
+                            if group.kind in ("full", "mamba") and group.block_size > prefix.unit]
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,11 +132,14 @@ class ModelState:
 
     # ---- transitions ------------------------------------------------------------------------
     def allocate(self, slots, num_new_tokens, num_full_tokens=None, num_hit_tokens=None,
-                 num_shared_tokens=None) -> list[bool]:
+                 num_prompt_tokens=None, num_shared_tokens=None) -> list[bool]:
         """vLLM's sequential outcome: row by row, gate (before the row's release), release,
-        take if it fits; stop at the first failure. The takes happen after all releases."""
+        take if it fits; stop at the first failure. The takes happen after all releases.
+
+        With a prefix cache, `self.last_copies` holds the call's copies {(row, group): (src, dst, tokens)}."""
         if self.prefix is not None:
-            return self._allocate_cached(slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_shared_tokens)
+            return self._allocate_cached(slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens,
+                                         num_shared_tokens)
         num_free, num_taken, ok, released = self.num_free_blocks, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             n = self.num_computed[s]
@@ -174,6 +189,7 @@ class ModelState:
         if self.prefix is not None:
             for s in slots:
                 self._cache_state_blocks(s)
+            self._register_tails(slots, move=False)
         for s in slots:
             for g in range(len(self.groups)):
                 self._release_range(g, s, 0, self.max_blocks)
@@ -182,6 +198,7 @@ class ModelState:
             if self.prefix is not None:
                 self.hashes[s] = []
                 self.shared_len[s] = 0
+                self.prompt_len[s] = 0
                 for g in range(len(self.groups)):
                     self.num_cached[g][s] = 0
 
@@ -195,9 +212,10 @@ class ModelState:
         unit = (j + 1) * self.groups[g].block_size // self.prefix.unit - 1
         return self.hashes[s][unit] if unit < len(self.hashes[s]) else None
 
-    def _cache(self, key, fields: dict[int, int], replace_free: bool = False) -> None:
-        """Indexes one entry: the blocks `fields` {group: block} under `key`; with `replace_free`,
-        a free block indexed under (key, group) first leaves the index, uncached, to the head."""
+    def _cache(self, key, fields: dict[int, int], replace_free: bool = False) -> list[bool]:
+        """Indexes one entry: the blocks `fields` {group: block} under `key`. Returns placed flags per group.
+        With `replace_free`, a free block indexed under (key, group) first leaves the index, uncached, to
+        the head."""
         if replace_free:
             for g, block in fields.items():
                 old = self.index.probe(key, g)
@@ -207,9 +225,60 @@ class ModelState:
                     self.order.remove(old)
                     self.order.insert(0, old)
         row = [fields.get(g, NULL_BLOCK) for g in range(len(self.groups))]
-        for g, placed in enumerate(self.index.insert([(key, row)])[0]):
-            if placed:
+        placed = self.index.insert([(key, row)])[0]
+        for g, ok in enumerate(placed):
+            if ok:
                 self.cached_group[row[g]] = g
+        return placed
+
+    # ---- hits inside a block (jaxkv.prefix_tails) ---------------------------------------------
+    def release_copies(self, dsts) -> None:
+        """The copies into `dsts` were applied: source, then destination, drop their pins."""
+        for d in dict.fromkeys(dsts):
+            if d in self.copies:
+                self.release([self.copies.pop(d), d])
+
+    def tail(self, s: int) -> int:
+        """p*: the prompt tail's final unit boundary of slot s (0: no prompt length)."""
+        u, prompt_len = self.prefix.unit, self.prompt_len[s]
+        return min((prompt_len - 1) // u, len(self.hashes[s])) * u if prompt_len > 0 else 0
+
+    def _register_tails(self, slots, move: bool) -> dict:
+        """Indexes the slots' prompt-tail blocks; at a call's start a state block's owner moves to a
+        fresh block with a pinned copy. Returns {(slot, group): (source, destination, valid tokens)}."""
+        if not self.partial:
+            return {}
+        num_free, num_moving, moves = self.num_free_blocks, 0, []
+        for s in slots:
+            n, tail = self.num_computed[s], self.tail(s)
+            fields = {}
+            for g in self.partial:
+                group = self.groups[g]
+                bs = group.block_size
+                j = tail // bs
+                block = self.tables[g][s][j]
+                if tail == 0 or tail % bs == 0 or block == NULL_BLOCK or block in self.cached_group:
+                    continue
+                if group.kind == "full" and n >= tail and (j + 1) * bs > n:
+                    fields[g] = block
+                elif group.kind == "mamba" and n == tail:
+                    if move:
+                        num_moving += 1
+                        if num_moving > num_free:
+                            continue
+                    fields[g] = block
+            if fields:
+                placed = self._cache(self.hashes[s][tail // self.prefix.unit - 1], fields)
+                moves += [(s, g) for g in fields if placed[g] and move and self.groups[g].kind == "mamba"]
+        copies = {}
+        for s, g in moves:
+            tail, bs = self.tail(s), self.groups[g].block_size
+            src, dst = self.tables[g][s][tail // bs], self.pop()
+            self.tables[g][s][tail // bs] = dst
+            self.ref_cnt[dst] += 1
+            self.copies[dst] = src
+            copies[(s, g)] = (src, dst, tail - tail // bs * bs)
+        return copies
 
     def _cache_state_blocks(self, s: int) -> None:
         n = self.num_computed[s]
@@ -236,27 +305,52 @@ class ModelState:
             cached.append([self.index.probe(keys[(j + 1) * bs // self.prefix.unit - 1], g) != NULL_BLOCK
                            for j in range(bound // bs)])
         rules = [HitRule.for_spec(group.spec) for group in self.groups]
-        hit = hybrid_hit_len_reference(rules, cached, num_tokens if keys else 0)
-        full = [hit_blocks_reference(rule, c, bound // rule.block_size) * rule.block_size
-                for rule, c in zip(rules, cached) if rule.kind == "full"]
-        return hit, max(full, default=hit)
+        full = [g for g, rule in enumerate(rules) if rule.kind == "full"]
+        if not self.partial:
+            hit = hybrid_hit_len_reference(rules, cached, num_tokens if keys else 0)
+            own = [hit_blocks_reference(rules[g], cached[g], bound // rules[g].block_size) * rules[g].block_size
+                   for g in full]
+            return hit, max(own, default=hit)
+        # On the unit grid: the longest h valid for every group (full: the full blocks before h
+        # and, inside a block, key(h) indexed; state: key(h) indexed; others: their block boundaries).
+        u = self.prefix.unit
 
-    def _allocate_cached(self, slots, num_new_tokens, num_full_tokens, num_hit_tokens,
+        def valid(g: int, h: int) -> bool:
+            group, rule = self.groups[g], rules[g]
+            bs = group.block_size
+            keyed = self.index.probe(keys[h // u - 1], g) != NULL_BLOCK
+            if g in self.partial and group.kind == "mamba":
+                return keyed
+            if g in self.partial:
+                return all(cached[g][: h // bs]) and (h % bs == 0 or keyed)
+            return h % bs == 0 and hit_blocks_reference(rule, cached[g], h // bs) == h // bs
+
+        grid = range(bound // u * u, 0, -u)
+        hit = next((h for h in grid if all(valid(g, h) for g in range(len(rules)))), 0)
+        own = [next((h for h in grid if valid(g, h)), 0) for g in full]
+        return hit, max(own, default=hit)
+
+    def _allocate_cached(self, slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens,
                          num_shared_tokens) -> list[bool]:
         num_groups = len(self.groups)
+        u = self.prefix.unit
         num_hit_tokens = num_hit_tokens or [0] * len(slots)
         first_call = [self.num_computed[s] == 0 for s in slots]
+        for s, prompt_len in zip(slots, num_prompt_tokens or [0] * len(slots)):
+            if prompt_len > 0:
+                self.prompt_len[s] = prompt_len
         for s in slots:
             self._cache_state_blocks(s)
+        start_copies = self._register_tails(slots, move=True)
         num_free = self.num_free_blocks
-        # Tentative claims, row by row.
-        claims, hit_ok, taken_free = [], [], []
+        # Tentative claims, row by row (full blocks, then the source of a hit inside a block).
+        claims, tails, hit_ok, taken_free = [], [], [], []
         claimed = {}  # block -> tentative claims in this call
         for s, h in zip(slots, num_hit_tokens):
-            entries, ok_h, taken = [], False, 0
+            entries, tail_src, ok_h, taken = [], {}, False, 0
             if h > 0:
-                ok_h = (self.num_computed[s] == 0 and all(h % g.block_size == 0 for g in self.groups)
-                        and h <= len(self.hashes[s]) * self.prefix.unit)
+                ok_h = (self.num_computed[s] == 0 and h % u == 0 and h <= len(self.hashes[s]) * u
+                        and all(h % g.block_size == 0 or i in self.partial for i, g in enumerate(self.groups)))
                 if ok_h:
                     wanted = 0
                     for g, group in enumerate(self.groups):
@@ -265,19 +359,31 @@ class ModelState:
                             block = self.index.probe(self._key_of_block(g, s, j), g)
                             if block != NULL_BLOCK:
                                 entries.append((g, j, block))
-                    ok_h = len(entries) == wanted
-                    for _, _, block in entries:
+                    for g in self.partial:
+                        if h % self.groups[g].block_size:
+                            wanted += 1
+                            block = self.index.probe(self.hashes[s][h // u - 1], g)
+                            if block != NULL_BLOCK:
+                                tail_src[g] = block
+                    ok_h = len(entries) + len(tail_src) == wanted
+                    for block in [b for _, _, b in entries] + list(tail_src.values()):
                         taken += self.ref_cnt[block] == 0 and block not in claimed
                         claimed[block] = claimed.get(block, 0) + 1
             claims.append(entries)
+            tails.append(tail_src)
             hit_ok.append(ok_h)
             taken_free.append(taken)
         # The rows in order.
         n_eff = [h if ok_h else self.num_computed[s] for s, h, ok_h in zip(slots, num_hit_tokens, hit_ok)]
+        cow = []  # per row: groups whose hit ends inside a block and take a fresh block there
+        for i, k in enumerate(num_new_tokens):
+            h = n_eff[i]
+            cow.append({g for g in tails[i] if hit_ok[i] and (
+                self.groups[g].kind == "full" or h + k <= (h // self.groups[g].block_size + 1) * self.groups[g].block_size)})
         take_before, freed_before, ok, releasing = 0, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             hit = num_hit_tokens[i] > 0
-            need = sum(len(self.new_range(g, n_eff[i], k)) for g in range(num_groups))
+            need = sum(len(self.new_range(g, n_eff[i], k)) for g in range(num_groups)) + len(cow[i])
             freed = 0
             if not hit:
                 for g in range(num_groups):
@@ -309,6 +415,10 @@ class ModelState:
                 for g, j, block in claims[i]:
                     self.touch([block])
                     self.tables[g][s][j] = block
+                for g, block in tails[i].items():
+                    self.touch([block])  # a copy's source pin, or the table entry holding it
+                    if g not in cow[i]:
+                        self.tables[g][s][n_eff[i] // self.groups[g].block_size] = block
                 for g in range(num_groups):
                     self.first_live[g][s] = self.keep_from(g, n_eff[i])
                 self.num_computed[s] = n_eff[i]
@@ -319,14 +429,38 @@ class ModelState:
                 evict_from = self.shared_len[s] // bs if windowed and self.shared_len[s] > 0 else None
                 self._release_range(g, s, self.first_live[g][s], keep, evict_from)
                 self.first_live[g][s] = keep
+        self.last_copies = {(slots.index(s), g): c for (s, g), c in start_copies.items()}
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             if not ok[i]:
                 continue
             n = self.num_computed[s]
             for g in range(num_groups):
-                for j in self.new_range(g, n, k):
+                new = self.new_range(g, n, k)
+                if g in cow[i]:
+                    new = range(n // self.groups[g].block_size, new.stop)
+                for j in new:
                     self.tables[g][s][j] = self.pop()
+                if g in cow[i]:
+                    j = n // self.groups[g].block_size
+                    dst = self.tables[g][s][j]
+                    self.ref_cnt[dst] += 1
+                    self.copies[dst] = tails[i][g]
+                    self.last_copies[(i, g)] = (tails[i][g], dst, n - j * self.groups[g].block_size)
             self.num_computed[s] = n + k
+        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
+            # A partially indexed tail block that the scheduled tokens fill leaves the index.
+            if not ok[i]:
+                continue
+            tail, hashed_len = self.tail(s), len(self.hashes[s]) * u
+            for g in self.partial:
+                bs = self.groups[g].block_size
+                j = tail // bs
+                start = n_eff[i] // bs if hit_ok[i] else self.num_cached[g][s]
+                block = self.tables[g][s][j]
+                if (self.groups[g].kind == "full" and tail % bs and block != NULL_BLOCK and j >= start
+                        and (j + 1) * bs <= min(self.num_computed[s], hashed_len) and block in self.cached_group):
+                    self.index.remove([block])
+                    del self.cached_group[block]
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             if not ok[i]:
                 continue
@@ -367,6 +501,11 @@ def assert_state_matches(state, model: ModelState) -> None:
 
         assert {k: b for k, (b, _) in index_entries(state.prefix.index).items()} == model.index.entries(), "index"
         np.testing.assert_array_equal(state.prefix.num_cached_blocks, model.num_cached, err_msg="num_cached")
+        np.testing.assert_array_equal(state.prefix.prompt_len, model.prompt_len, err_msg="prompt_len")
+        copy_src = np.zeros(model.num_blocks, np.int32)
+        for dst, src in model.copies.items():
+            copy_src[dst] = src
+        np.testing.assert_array_equal(state.prefix.copy_src, copy_src, err_msg="pending copies")
         assert np.asarray(state.prefix.num_hashed_units).tolist() == [len(h) for h in model.hashes], "hashed"
         assert np.asarray(state.prefix.shared_len).tolist() == model.shared_len, "shared_len"
 

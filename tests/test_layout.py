@@ -22,6 +22,7 @@ from jaxkv.layout import (
     DSA_LATENT_FIELDS,
     RowField,
     allocate_cache,
+    copy_blocks,
     buffer_spec,
     find_layer,
     is_typed,
@@ -293,3 +294,29 @@ def test_with_layout_matches_planning_in_that_layout():
     for layout in LAYOUTS:
         assert with_layout(gemma_like("BLHNC"), layout) == gemma_like(layout)
         assert with_layout(dsa("LBNHC"), layout) == dsa(layout)
+
+
+@pytest.mark.parametrize("name, layout", [(name, layout) for name in ("gemma_like", "hybrid_mamba")
+                                          for layout in LAYOUTS])
+def test_copy_blocks_copies_every_page_of_the_block_and_nothing_else(name, layout):
+    # Copy-on-write copies (prefix hits inside a block): whole blocks, all views, donated cache.
+    cfg = CONFIGS[name](layout)
+    spec = buffer_spec(cfg)
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(random_values(rng, spec.shape, spec.dtype))
+    before = raw_bytes(cache).copy()
+    copies = np.asarray([[3, 5, 2], [3, 6, 1], [0, 7, 0], [2, 0, 0], [1, 4, 3]], np.int32)  # NULL rows: no-ops
+    after = raw_bytes(copy_blocks(cache, copies, cfg=cfg))
+    expected = before.copy()
+    for src, dst, _ in copies:
+        if not src or not dst:
+            continue
+        if layout.startswith("B"):
+            regions = [(0, cfg.bytes_per_block)]
+        else:
+            regions = [(t.offset + l * t.layer_stride, t.block_stride) for t in cfg.tensors for l in range(len(t.layers))]
+        for start, size in regions:
+            stride = cfg.bytes_per_block if layout.startswith("B") else next(t.block_stride for t in cfg.tensors)
+            expected[start + dst * stride: start + dst * stride + size] = before[start + src * stride:
+                                                                               start + src * stride + size]
+    np.testing.assert_array_equal(after, expected)

@@ -196,7 +196,7 @@ def test_random_use_matches_model(data):
             ok = mgr.allocate_slots_batch(rids, new_tokens, hits, full_sequence_must_fit=must_fit)
             for rid in running:  # every request's keys ride with the allocation
                 model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
-            assert ok.tolist() == model.allocate(slots, new_tokens, full, hits, shared_tokens)
+            assert ok.tolist() == model.allocate(slots, new_tokens, full, hits, num_shared_tokens=shared_tokens)
             assert mgr.num_free_blocks == model.num_free_blocks
             assert_state_matches(mgr._state, model)  # no read: nothing flushed
             for rid, slot in zip(rids, slots):
@@ -217,3 +217,37 @@ def test_random_use_matches_model(data):
     for rid in running:
         model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
     assert_state_matches(mgr.state, model)
+
+
+def test_hits_inside_a_block_hand_out_copies():
+    # State + full attention, block 4, unit 2 (a Qwen3-Next-like hybrid with a finer prefix_match_unit).
+    cfg = make_cfg(20, mamba(4), full(4), max_model_len=24, max_num_batched_tokens=16)
+    mgr = KVCacheManager(cfg, max_num_seqs=3, prefix_match_unit=2, debug_checks=True)
+    a = list(range(100, 111))  # prompt tail p* = 10, inside block 2
+    mgr.add_request("a", a)
+    assert mgr.allocate_slots("a", 10)  # the scheduler ends a chunk at p* (vLLM's align mode)
+    assert len(mgr.take_block_copies()) == 0
+    assert mgr.allocate_slots("a", 1)  # the state after 10 tokens is saved: A moves to a copy
+    (src, dst, valid), = mgr.take_block_copies().tolist()
+    assert valid == 2 and mgr.get_block_ids("a")[0][2] == dst
+    mgr.add_request("b", a[:10] + [7, 8, 9])
+    assert mgr.get_computed_tokens("b") == 10
+    assert mgr.allocate_slots("b", 2, num_new_computed_tokens=10)  # writes block 2 in both groups: two copies
+    with pytest.raises(ValueError, match="take_block_copies"):
+        mgr.block_tables(["b"])
+    copies = mgr.take_block_copies()
+    assert sorted(copies[:, 1].tolist()) == sorted([mgr.get_block_ids("b")[0][2], mgr.get_block_ids("b")[1][2]])
+    assert mgr.get_block_ids("b")[1][:2] == mgr.get_block_ids("a")[1][:2]  # full blocks shared
+    mgr.free("b")
+    mgr.free("a")
+    assert mgr.num_free_blocks < 19  # the copies' blocks stay pinned until the next allocation
+    mgr.add_request("c", [1, 2, 3])
+    assert mgr.allocate_slots("c", 3)
+    mgr.free("c")
+    assert mgr.num_free_blocks == 19
+    # Without the finer unit the same schedule hits only what block ends saved.
+    coarse = KVCacheManager(cfg, max_num_seqs=3, debug_checks=True)
+    coarse.add_request("a", a)
+    assert coarse.allocate_slots("a", 10) and coarse.allocate_slots("a", 1)
+    coarse.add_request("b", a[:10] + [7, 8, 9])
+    assert coarse.get_computed_tokens("b") == 0  # no step ended at 4 or 8

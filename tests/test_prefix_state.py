@@ -198,7 +198,8 @@ def _window_release(shared_len):
     keys_b = prompt_unit_hashes(b, 2)
     assert ok == [True] and _lookup_shared(state, cfg, prefix, keys_b, 16) == (8, 8)
     state, result = ms.allocate(state, _pad([1], NUM_SLOTS), _pad([8], 0), None, None, _pad([8], 0),
-                                _uploads({1: keys_b}), _pad([shared_len], 0), cfg=cfg, prefix=prefix)
+                                _uploads({1: keys_b}), num_shared_tokens=_pad([shared_len], 0), cfg=cfg,
+                                prefix=prefix)
     assert np.asarray(result.ok)[0]
     window_blocks = np.asarray(state.block_tables)[1, 1, 2:6].tolist()
     state, result = ms.allocate(state, _pad([1], NUM_SLOTS), _pad([0], 0), cfg=cfg, prefix=prefix)
@@ -247,6 +248,9 @@ CASES = {
     "all_kinds": (make_cfg(30, full(2), sliding(2, 4), chunked(2, 4), mamba(2)), None, (3,)),
     "mixed_block_sizes": (make_cfg(40, full(2), sliding(4, 6), mamba(4)), None, (2, 5)),
     "unit_below_block": (make_cfg(24, full(4), sliding(4, 6)), 2, None),
+    # Qwen3-Next-like: state groups and full attention with one enlarged block size, a finer unit.
+    "hybrid_state_unit": (make_cfg(30, mamba(4), mamba(4), full(4)), 2, (3,)),
+    "full_unit": (make_cfg(16, full(4)), 2, (3,)),
 }
 PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), (1, 2, 3, 4, 5, 6, 40, 41, 42, 43), (60, 61, 62, 63))
 
@@ -260,16 +264,50 @@ class FakeKV:
     def __init__(self):
         self.kv, self.state, self.prefix_of_key = {}, {}, {}
 
-    def computed(self, cfg, tables, slot, tokens, first, end):
-        """Positions [first, end) of `tokens` were computed into the slot's blocks."""
+    def copy(self, copies):
+        """Applies block copies (source, destination, valid tokens) as `jaxkv.layout.copy_blocks` does:
+        whole blocks, all gathered before any is written."""
+        copies = [(int(src), int(dst)) for src, dst, _ in copies if dst]
+        kv = {(dst, o): self.kv.get((src, o)) for src, dst in copies for o in range(64)}
+        state = {dst: self.state.get(src) for src, dst in copies}
+        self.kv.update(kv)
+        self.state.update(state)
+
+    def computed(self, cfg, state, slot, tokens, first, end, cached_before):
+        """Positions [first, end) of `tokens` were computed into the slot's blocks.
+
+        A state layer reads the state after `first` tokens first. No block another request
+        holds is written, and no block in use and cached before the call (`cached_before`: index
+        entries) and still cached is written where its key says it is valid.
+        """
+        tables = np.asarray(state.block_tables)
+        still = index_entries(state.prefix.index)  # evicted blocks may be written
+        cached = {block: self.prefix_of_key[key] for kg, (block, _) in cached_before.items()
+                  if still.get(kg, (None,))[0] == block for key in [kg[0]]}
+
+        def check_private(g, block):
+            others = [(h, s) for h in range(tables.shape[0]) for s in range(tables.shape[1])
+                      if s != slot and block in tables[h, s]]
+            assert not others, f"slot {slot} group {g} writes block {block} that {others} hold"
+
         for g, group in enumerate(cfg.groups):
             bs = group.block_size
             if group.kind == "mamba":
                 if end > first:
-                    self.state[int(tables[g, slot, (end - 1) // bs])] = tuple(tokens[:end])
+                    if first:
+                        read = int(tables[g, slot, (first - 1) // bs])
+                        assert self.state.get(read) == tuple(tokens[:first]), (slot, g, "state read", first)
+                    block = int(tables[g, slot, (end - 1) // bs])
+                    check_private(g, block)
+                    assert block not in cached, f"slot {slot} group {g} overwrites cached state block {block}"
+                    self.state[block] = tuple(tokens[:end])
                 continue
             for p in range(first, end):
-                self.kv[(int(tables[g, slot, p // bs]), p % bs)] = tuple(tokens[: p + 1])
+                block = int(tables[g, slot, p // bs])
+                check_private(g, block)
+                if block in cached:
+                    assert p >= len(cached[block]), f"slot {slot} writes position {p} of cached block {block}"
+                self.kv[(block, p % bs)] = tuple(tokens[: p + 1])
 
     def hashed(self, tokens, keys, unit):
         for i, key in enumerate(keys):
@@ -299,16 +337,22 @@ class FakeKV:
                 assert self.state[block] == prefix, (block, g)
                 continue
             bs = group.block_size
-            for offset in range(bs):
-                assert self.kv[(block, offset)] == prefix[: len(prefix) - bs + offset + 1], (block, g, offset)
+            start = (len(prefix) - 1) // bs * bs  # a partial entry (prefix_tails) holds [start, len(prefix))
+            for offset in range(len(prefix) - start):
+                assert self.kv[(block, offset)] == prefix[: start + offset + 1], (block, g, offset)
 
 
-def run_random_sequence(data, cfg, unit, chunk_sizes):
+def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
+    """`reuse`: prompts resend or extend earlier ones and are looked up and claimed as they arrive
+    (hits of every length, inside blocks too); otherwise any operation at any time."""
     prefix = PrefixCacheConfig.for_config(cfg, unit)
     state = ms.init_state(cfg, NUM_SLOTS, prefix)
     model = ModelState(cfg, NUM_SLOTS, prefix)
     fake = FakeKV()
     live: dict[int, list[int]] = {}  # slot -> tokens; insertion order = admission order
+    prompt_len: dict[int, int] = {}  # slot -> prompt tokens
+    pending: list[int] = []  # destinations of copies applied but not released yet
+    seen: list[tuple[int, ...]] = []  # earlier prompts: a new prompt may resend or extend one
     looked_up: dict[int, tuple[int, int]] = {}  # slot -> its last lookup's (hit, shared length); may go stale
     max_len = cfg.max_model_len
 
@@ -318,13 +362,21 @@ def run_random_sequence(data, cfg, unit, chunk_sizes):
         return keys
 
     for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
-        op = data.draw(st.sampled_from(["add", "lookup", "allocate", "allocate", "allocate", "free", "preempt"]))
+        ops = ["add", "allocate", "allocate", "allocate", "free"] if reuse else \
+            ["add", "lookup", "allocate", "allocate", "allocate", "free", "preempt"]
+        op = data.draw(st.sampled_from(ops))
         if op == "add" and len(live) < NUM_SLOTS:
-            base = data.draw(st.sampled_from(PREFIXES), label="prefix")
-            tokens = list(base[: data.draw(st.integers(0, len(base)), label="shared")])
+            base = data.draw(st.sampled_from(tuple(seen) if reuse and seen else PREFIXES + tuple(seen)),
+                             label="prefix")
+            tokens = list(base[: data.draw(st.integers(len(base) // 2 if reuse else 0, len(base)), label="shared")])
             tokens += data.draw(st.lists(st.integers(70, 72), max_size=max_len - len(tokens)), label="tail")
             if tokens:
-                live[min(set(range(NUM_SLOTS)) - set(live))] = tokens
+                slot = min(set(range(NUM_SLOTS)) - set(live))
+                live[slot], prompt_len[slot] = tokens, len(tokens)
+                seen.append(tuple(tokens))
+                if reuse or data.draw(st.booleans(), label="look_up_now"):
+                    looked_up[slot] = _lookup_shared(state, cfg, prefix, keys_of(tokens), len(tokens))
+                    assert looked_up[slot] == model.lookup(keys_of(tokens), len(tokens))
         elif op == "lookup" and live:
             slot = data.draw(st.sampled_from(sorted(live)), label="lookup_slot")
             if model.num_computed[slot] == 0:
@@ -340,11 +392,17 @@ def run_random_sequence(data, cfg, unit, chunk_sizes):
                 if n == len(tokens) and len(tokens) < max_len:
                     tokens.append(data.draw(st.integers(70, 72), label="decoded"))  # decode it
                 # A hit only on the first call: the last lookup's value, possibly stale by now.
-                hit, shared_len = looked_up.pop(slot, (0, 0)) if n == 0 and data.draw(st.booleans(),
-                                                                                      label="claim") else (0, 0)
+                claim = n == 0 and (reuse or data.draw(st.booleans(), label="claim"))
+                hit, shared_len = looked_up.pop(slot, (0, 0)) if claim else (0, 0)
                 hits.append(hit)
                 shared.append(shared_len)
-                new_tokens.append(data.draw(st.integers(0, min(len(tokens) - n - hit, 8)), label="num_new_tokens"))
+                limit = min(len(tokens) - n - hit, 8)
+                # The prompt tail's final unit boundary: a scheduler may end a chunk there (prefix_tails).
+                to_tail = ((prompt_len[slot] - 1) // prefix.unit) * prefix.unit - n - hit
+                if 0 < to_tail <= limit and (reuse or data.draw(st.booleans(), label="end_at_tail")):
+                    new_tokens.append(to_tail)
+                else:
+                    new_tokens.append(data.draw(st.integers(0, limit), label="num_new_tokens"))
                 must_fit = n == 0 and data.draw(st.booleans(), label="must_fit")
                 full_tokens.append(len(tokens) if must_fit else 0)
             others = sorted(set(live) - set(slots))
@@ -353,21 +411,36 @@ def run_random_sequence(data, cfg, unit, chunk_sizes):
                 del live[slot]
                 looked_up.pop(slot, None)
             uploads = {slot: keys_of(tokens) for slot, tokens in live.items()}
+            released = data.draw(st.lists(st.sampled_from(pending), unique=True), label="released") if pending else []
+            pending = [d for d in pending if d not in released]
+            in_use = np.asarray(state.pool.ref_cnt) > 0  # a free cached block may be popped, evicted and reused
+            cached_before = {kg: v for kg, v in index_entries(state.prefix.index).items() if in_use[v[0]]}
             state, result = ms.allocate(
                 state, _pad(slots, NUM_SLOTS), _pad(new_tokens, 0), _pad(full_tokens, 0), _pad(freed, NUM_SLOTS),
-                _pad(hits, 0), _uploads(uploads), _pad(shared, 0), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
+                _pad(hits, 0), _uploads(uploads), _pad([prompt_len[s] for s in slots], 0),
+                _pad(released, NULL_BLOCK, 8), _pad(shared, 0), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
+            model.release_copies(released)
             model.free(freed)
+            for slot in freed:
+                del prompt_len[slot]
             for slot, keys in uploads.items():
                 model.set_hashes(slot, keys)
-            expected_ok = model.allocate(slots, new_tokens, full_tokens, hits, shared)
+            expected_ok = model.allocate(slots, new_tokens, full_tokens, hits, [prompt_len[s] for s in slots], shared)
             assert np.asarray(result.ok).tolist() == expected_ok + [False] * (NUM_SLOTS - len(slots))
             assert int(result.num_free_blocks) == model.num_free_blocks
             assert int(result.num_hit_tokens) == sum(h for h, ok in zip(hits, expected_ok) if ok)
-            tables = np.asarray(state.block_tables)
+            copies = np.asarray(result.copies)
+            expected = np.zeros_like(copies)
+            for (i, g), copy in model.last_copies.items():
+                expected[i, g] = copy
+            np.testing.assert_array_equal(copies, expected, err_msg="copies")
+            copies = copies.reshape(-1, 3)
+            fake.copy(copies)  # before the step's forward pass
+            pending += [int(d) for d in copies[:, 1] if d]
             for slot, k, ok in zip(slots, new_tokens, expected_ok):
                 if ok:  # the step runs: the scheduled tokens' K/V and states are written
                     end = model.num_computed[slot]
-                    fake.computed(cfg, tables, slot, live[slot], end - k, end)
+                    fake.computed(cfg, state, slot, live[slot], end - k, end, cached_before)
         elif op in ("free", "preempt") and live:
             # preempt: the most recently admitted request loses its blocks and starts over.
             slots = [list(live)[-1]] if op == "preempt" else data.draw(
@@ -377,8 +450,10 @@ def run_random_sequence(data, cfg, unit, chunk_sizes):
             for slot in slots:
                 tokens = live.pop(slot)
                 looked_up.pop(slot, None)
-                if op == "preempt":
-                    live[slot] = tokens
+                if op == "preempt":  # it comes back with all its tokens as its prompt
+                    live[slot], prompt_len[slot] = tokens, len(tokens)
+                else:
+                    del prompt_len[slot]
         check_invariants(cfg, state, prefix)
         assert_state_matches(state, model)
         fake.check(cfg, state, live)
@@ -391,9 +466,90 @@ def test_random_sequences_jitted(case, data):
     run_random_sequence(data, *CASES[case])
 
 
+@pytest.mark.parametrize("case", ["full_unit", "hybrid_state_unit", "mixed_block_sizes"])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_reuse_sequences_jitted(case, data):
+    # Units finer than a full-attention or state block: hits inside blocks, copies, moved states.
+    run_random_sequence(data, *CASES[case], reuse=True)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @settings(max_examples=2, deadline=None)
 @given(data=st.data())
 def test_random_sequences_eager(case, data):
     with jax.disable_jit():
-        run_random_sequence(data, *CASES[case])
+        run_random_sequence(data, *CASES[case], reuse=case == "hybrid_state_unit")
+
+
+# ---- hits inside a block (jaxkv.prefix_tails) --------------------------------------------------
+
+
+def _allocate_tails(state, cfg, prefix, rows, uploads=None, released=()):
+    """rows: (slot, new tokens, hit tokens, prompt tokens). Returns (state, ok list, copies [R, G, 3])."""
+    slots, new, hits, prompts = zip(*rows)
+    state, result = ms.allocate(state, _pad(slots, NUM_SLOTS), _pad(new, 0), None, None, _pad(hits, 0), uploads,
+                                _pad(prompts, 0), _pad(released, NULL_BLOCK, 8), cfg=cfg, prefix=prefix)
+    check_invariants(cfg, state, prefix)
+    return state, np.asarray(result.ok).tolist()[: len(rows)], np.asarray(result.copies)[: len(rows)]
+
+
+def test_full_attention_hit_inside_block_copies_on_write():
+    # full(4), unit 2. A's 11-token prompt: its tail p* = 10 lies inside block 2 (tokens 8-11).
+    cfg = make_cfg(16, full(4), max_model_len=24, max_num_batched_tokens=16)
+    prefix = PrefixCacheConfig.for_config(cfg, prefix_match_unit=2)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    a = list(range(100, 111))
+    state, ok, _ = _allocate_tails(state, cfg, prefix, [(0, 11, 0, 11)], _uploads({0: prompt_unit_hashes(a, 2)}))
+    assert ok == [True]
+    b = a[:10] + [7, 8, 9]
+    keys_b = prompt_unit_hashes(b, 2)
+    assert _lookup(state, cfg, prefix, keys_b, 13) == 8  # not yet: the step computing p* has not run
+    # A's next call (its step ran): block 2 is indexed under key(10); B hits 10 tokens.
+    state, ok, copies = _allocate_tails(state, cfg, prefix, [(0, 0, 0, 11)])
+    assert ok == [True] and not copies.any()
+    assert _lookup(state, cfg, prefix, keys_b, 13) == 10
+    tables = np.asarray(state.block_tables)
+    a_block2 = int(tables[0, 0, 2])
+    state, ok, copies = _allocate_tails(state, cfg, prefix, [(1, 3, 10, 13)], _uploads({1: keys_b}))
+    assert ok == [True]
+    tables = np.asarray(state.block_tables)
+    assert tables[0, 1, :2].tolist() == tables[0, 0, :2].tolist()  # full blocks shared
+    dst = int(tables[0, 1, 2])
+    assert dst not in (NULL_BLOCK, a_block2)  # a private block for the tail
+    assert copies[0, 0].tolist() == [a_block2, dst, 2]  # tokens 8, 9 of A's block 2
+    ref_cnt = np.asarray(state.pool.ref_cnt)
+    assert ref_cnt[a_block2] == 2 and ref_cnt[dst] == 2  # A's table + pin; B's table + pin
+    # Freeing B before the copy is released keeps both blocks out of the free order.
+    state = ms.free(state, _pad([1], NUM_SLOTS), cfg=cfg, prefix=prefix)
+    check_invariants(cfg, state, prefix)
+    assert np.asarray(state.pool.ref_cnt)[dst] == 1
+    state, ok, _ = _allocate_tails(state, cfg, prefix, [(0, 0, 0, 11)], released=[dst])
+    assert np.asarray(state.pool.ref_cnt)[dst] == 0 and np.asarray(state.pool.ref_cnt)[a_block2] == 1
+    assert not np.asarray(state.prefix.copy_src).any()
+
+
+def test_state_group_saves_the_prompt_tail_and_hybrid_hit_lands_on_it():
+    # mamba(4) + full(4), unit 2 (Qwen3-Next-like: one enlarged block size). A's 11-token prompt is
+    # scheduled in chunks ending at p* = 10 (as an aligning scheduler does), then 1 token.
+    cfg = make_cfg(20, mamba(4), full(4), max_model_len=24, max_num_batched_tokens=16)
+    prefix = PrefixCacheConfig.for_config(cfg, prefix_match_unit=2)
+    state = ms.init_state(cfg, NUM_SLOTS, prefix)
+    a = list(range(100, 111))
+    b = a[:10] + [7, 8, 9]
+    keys_b = prompt_unit_hashes(b, 2)
+    state, ok, _ = _allocate_tails(state, cfg, prefix, [(0, 10, 0, 11)], _uploads({0: prompt_unit_hashes(a, 2)}))
+    state_block = int(np.asarray(state.block_tables)[0, 0, 2])  # holds the state after 10 tokens
+    # The next call indexes it and moves A to a fresh block with a copy of it.
+    state, ok, copies = _allocate_tails(state, cfg, prefix, [(0, 1, 0, 11)])
+    assert ok == [True]
+    moved_to = int(np.asarray(state.block_tables)[0, 0, 2])
+    assert moved_to != state_block and copies[0, 0].tolist() == [state_block, moved_to, 2]
+    assert _lookup(state, cfg, prefix, keys_b, 13) == 10  # attention and state both at 10
+    # B's step writes block 2 of the state group: copy-on-write there too.
+    state, ok, copies = _allocate_tails(state, cfg, prefix, [(1, 2, 10, 13)], _uploads({1: keys_b}),
+                                        released=[moved_to])
+    assert ok == [True]
+    tables = np.asarray(state.block_tables)
+    assert copies[0, 0].tolist() == [state_block, int(tables[0, 1, 2]), 2]
+    assert copies[0, 1].tolist() == [int(tables[1, 0, 2]), int(tables[1, 1, 2]), 2]

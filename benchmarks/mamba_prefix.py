@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Prefix-cache hits on a Mamba hybrid whose blocks page-size unification enlarged: block-granular vs a finer unit.
+
+Model: Qwen3-Next-80B-like, planned by `jaxkv.plan` from tests/configs/qwen3_next_80b.json
+(20 GiB, max_model_len 32,768): three linear-attention (state) groups and one full-attention
+group, every block 544 tokens. Workload (seeded): multi-turn conversations whose first prompts
+are shorter than a block; each turn's prompt is the previous prompt, the assistant's answer
+and a new user message. Replayed through `KVCacheManager` with `prefix_match_unit` None (the
+block size) and a finer unit (16 by default):
+
+* a few conversations at a time, one `allocate_slots_batch` per step: prefill chunks end at
+  block ends and at the prompt tail's final unit boundary (vLLM's "align" mode, which saves a
+  state there), then one decode token per step; a finished turn is freed and the
+  conversation's next turn arrives, looked up (`get_computed_tokens`) and claimed;
+* block copies are taken every step (`take_block_copies`) and counted (no model runs here).
+
+    python benchmarks/mamba_prefix.py
+    python benchmarks/mamba_prefix.py --units 16 64 --conversations 48
+
+Prints one table row per unit: requests, prompt tokens, hit tokens, hit rate, copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import time
+
+from jaxkv import plan, specs_from_hf_config
+from jaxkv.manager import KVCacheManager
+
+CONFIG = pathlib.Path(__file__).resolve().parent.parent / "tests" / "configs" / "qwen3_next_80b.json"
+
+
+def make_conversations(num: int, turns: int, seed: int) -> list[list[tuple[list[int], int]]]:
+    """Per conversation, per turn: (prompt tokens, answer tokens to decode).
+
+    A shared system prompt (one of 4, 150-350 tokens) and a first user message (40-200) make
+    first prompts shorter than a 544-token block; answers have 30-150 tokens, later messages 40-200.
+    """
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1000, 50000) for _ in range(rng.randint(150, 350))] for _ in range(4)]
+    conversations = []
+    for _ in range(num):
+        history = list(rng.choice(systems))
+        conv = []
+        for _ in range(turns):
+            history += [rng.randrange(1000, 50000) for _ in range(rng.randint(40, 200))]
+            answer = rng.randint(30, 150)
+            conv.append((list(history), answer))
+            history += [rng.randrange(1000, 50000) for _ in range(answer)]
+        conversations.append(conv)
+    return conversations
+
+
+def replay(cfg, conversations, unit: int | None, concurrency: int, max_chunk: int) -> dict:
+    mgr = KVCacheManager(cfg, max_num_seqs=concurrency, prefix_match_unit=unit)
+    block = cfg.groups[0].block_size
+    hash_unit = mgr.prefix_config.unit
+    waiting = [(c, 0) for c in range(len(conversations))]  # (conversation, turn) ready to arrive
+    active = {}  # request id -> dict(prompt_len, answer, decoded, computed, hit)
+    stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, copies=0, steps=0)
+    start = time.perf_counter()
+    while waiting or active:
+        # Arrivals: look up and admit with the hit.
+        new_rows = {}
+        while waiting and len(active) < concurrency:
+            conv, turn = waiting.pop(0)
+            prompt, answer = conversations[conv][turn]
+            rid = (conv, turn)
+            mgr.add_request(rid, prompt)
+            hit = mgr.get_computed_tokens(rid)
+            active[rid] = dict(prompt_len=len(prompt), answer=answer, decoded=0, computed=0, hit=hit)
+            new_rows[rid] = hit
+            stats["requests"] += 1
+            stats["prompt_tokens"] += len(prompt)
+        ids, num_new, hits = [], [], []
+        for rid, r in active.items():
+            n = r["computed"] + new_rows.get(rid, 0)
+            if n < r["prompt_len"]:
+                # Align: end the chunk at the next block end or at the prompt tail's unit boundary.
+                tail = (r["prompt_len"] - 1) // hash_unit * hash_unit
+                end = min(r["prompt_len"], (n // block + 1) * block, n + max_chunk)
+                if n < tail < end:
+                    end = tail
+                k = end - n
+            else:
+                k = 1  # decode the token appended after the previous step
+            ids.append(rid)
+            num_new.append(k)
+            hits.append(new_rows.get(rid, 0))
+        ok = mgr.allocate_slots_batch(ids, num_new, hits)
+        if not ok.all():
+            raise RuntimeError("the pool is too small for the replay's concurrency; lower --concurrency")
+        stats["copies"] += len(mgr.take_block_copies())
+        stats["steps"] += 1
+        for rid, k, h in zip(ids, num_new, hits):
+            r = active[rid]
+            if h:
+                stats["hit_tokens"] += h
+            r["computed"] += h + k
+            if r["computed"] >= r["prompt_len"]:
+                if r["decoded"] == r["answer"]:
+                    mgr.free(rid)
+                    del active[rid]
+                    conv, turn = rid
+                    if turn + 1 < len(conversations[conv]):
+                        waiting.append((conv, turn + 1))
+                    continue
+                mgr.append_token_ids(rid, [7])  # the sampled token, scheduled next step
+                r["decoded"] += 1
+    stats["seconds"] = round(time.perf_counter() - start, 1)
+    stats["unit"] = hash_unit
+    return stats
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--units", type=int, nargs="+", default=[16])
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-chunk", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cfg = plan(specs_from_hf_config(json.loads(CONFIG.read_text())), 20 * 2**30, max_model_len=32768)
+    conversations = make_conversations(args.conversations, args.turns, args.seed)
+    rows = [replay(cfg, conversations, unit, args.concurrency, args.max_chunk) for unit in [None, *args.units]]
+    if args.json:
+        print(json.dumps(rows))
+        return
+    kinds = ", ".join(f"{g.kind} {g.block_size}" for g in cfg.groups)
+    print(f"groups: {kinds}; {cfg.num_blocks:,} blocks; {args.conversations} conversations x {args.turns} turns")
+    print("| prefix_match_unit | requests | prompt tokens | hit tokens | hit rate | block copies | steps | s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        label = f"{r['unit']} (block size)" if r["unit"] == cfg.groups[0].block_size else str(r["unit"])
+        print(f"| {label} | {r['requests']} | {r['prompt_tokens']:,} | {r['hit_tokens']:,} | "
+              f"{r['hit_tokens'] / r['prompt_tokens']:.1%} | {r['copies']} | {r['steps']} | {r['seconds']} |")
+
+
+if __name__ == "__main__":
+    main()
