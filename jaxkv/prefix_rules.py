@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.pool import count_prefix
 from jaxkv.specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
 
 HitKind = Literal["full", "sliding_window", "chunked_local", "mamba"]
@@ -166,12 +167,13 @@ def valid_hit_blocks(rule: HitRule, cached: jax.Array) -> jax.Array:
       cached: bool[R, N], whether each candidate block is cached.
     """
     num_requests, num_blocks = cached.shape
-    # run_len[:, L]: the run of cached blocks ending at block L − 1.
-    positions = jnp.arange(1, num_blocks + 1, dtype=jnp.int32)
-    last_miss_end = jax.lax.cummax(jnp.where(cached, 0, positions), axis=1)  # 1 + index of the last miss so far
-    run_len = jnp.concatenate([jnp.zeros((num_requests, 1), jnp.int32), positions - last_miss_end], axis=1)
-    need = rule.need(np.arange(num_blocks + 1, dtype=np.int32))
-    return run_len >= need
+    # misses[:, L]: the blocks among the first L that are not cached (a prefix count: linear, where
+    # XLA:CPU's cumulative max, a reduce-window, costs N² per row). A hit of L blocks needs no miss in
+    # the last need(L) of them.
+    misses = jnp.concatenate([jnp.zeros((num_requests, 1), jnp.int32), count_prefix(~cached)], axis=1)
+    num_hit_blocks = np.arange(num_blocks + 1, dtype=np.int32)
+    run_start = num_hit_blocks - rule.need(num_hit_blocks)
+    return misses == misses[:, run_start]
 
 
 @functools.partial(jax.jit, static_argnames=("rules",))
