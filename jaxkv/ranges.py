@@ -85,8 +85,9 @@ def run_if(flag, body, carry):
 
     Skipped, the body costs nothing: as the body of a loop of 0 or 1 steps, its
     loop-invariant part (range layouts, gathers of the rows) would be hoisted out
-    of the loop by XLA and run anyway. The state passes through in place (no copy:
-    `tests/test_state.py` checks the compiled allocation); `in_chunks` still needs
-    loops, since a conditional choosing among loops over the state copies it.
+    of the loop by XLA and run anyway. The state passes through in place (the
+    compiled allocation's HLO showed no copy of it when this was changed);
+    `in_chunks` still needs loops, since a conditional choosing among loops over the
+    state copies it.
     """
     return lax.cond(flag, body, lambda carry: carry, carry)
