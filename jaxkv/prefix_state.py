@@ -385,10 +385,11 @@ def _uncache_free_blocks(state, blocks, valid):
     """Takes the free cached `blocks` int32[F] (valid bool[F]; repeats allowed) out of the index,
     uncached, to the head of the free order (reused first)."""
     pool, first = claim(state.pool, blocks, valid)  # out of the free order; `first`: one entry per block
+    pool = unclaim(pool, blocks, valid & ~first)  # repeats: back to one reference, pushed at the first entry
     index = remove(state.prefix.index, blocks, first)
     pool = dataclasses.replace(pool, block_group=pool.block_group.at[jnp.where(first, blocks, pool.ref_cnt.shape[0])]
                                .set(NOT_CACHED, mode="drop"))
-    return dataclasses.replace(state, pool=release(pool, blocks, valid),
+    return dataclasses.replace(state, pool=release(pool, blocks, first),
                                prefix=dataclasses.replace(state.prefix, index=index))
 
 
