@@ -81,13 +81,9 @@ def table_ranges(shape, slots, start, count, stride=None):
 
 
 def run_if(flag, body, carry):
-    """`body(carry)` if `flag` (bool[]) else `carry`, as a conditional.
+    """`body(carry)` if `flag` (bool[]) else `carry`, as a loop of 0 or 1 steps.
 
-    Skipped, the body costs nothing: as the body of a loop of 0 or 1 steps, its
-    loop-invariant part (range layouts, gathers of the rows) would be hoisted out
-    of the loop by XLA and run anyway. The state passes through in place (the
-    compiled allocation's HLO showed no copy of it when this was changed);
-    `in_chunks` still needs loops, since a conditional choosing among loops over the
-    state copies it.
+    A loop carries the state in place where `lax.cond` would copy it, and its
+    body (range layouts included) costs nothing when it runs zero steps.
     """
-    return lax.cond(flag, body, lambda carry: carry, carry)
+    return lax.fori_loop(0, flag.astype(jnp.int32), lambda _, c: body(c), carry)
