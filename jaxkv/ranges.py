@@ -83,7 +83,9 @@ def table_ranges(shape, slots, start, count, stride=None):
 def run_if(flag, body, carry):
     """`body(carry)` if `flag` (bool[]) else `carry`, as a loop of 0 or 1 steps.
 
-    A loop carries the state in place where `lax.cond` would copy it, and its
-    body (range layouts included) costs nothing when it runs zero steps.
+    The loop carries the state in place. XLA hoists the body's loop-invariant part
+    (range layouts, row gathers) out of the loop, so that part runs even when the
+    body is skipped. `lax.cond` would avoid that, but with it XLA:CPU crashed while
+    compiling `decode_steps`' scan in CI.
     """
     return lax.fori_loop(0, flag.astype(jnp.int32), lambda _, c: body(c), carry)
