@@ -136,7 +136,7 @@ class KVCacheManager:
         self._token_ids: list[list[int] | None] = [None] * self.max_num_seqs
         self._num_tokens = np.zeros(self.max_num_seqs, np.int64)
         self._num_computed = np.zeros(self.max_num_seqs, np.int64)  # host mirror of the device's counts
-        self._num_free_blocks: int | jax.Array | None = cfg.num_blocks - 1  # None: frees pending
+        self._num_free_blocks: int | None = cfg.num_blocks - 1  # None: read from the device state
         self._pending_free: list[int] = []  # slots freed on the host, not yet on the device
 
     # ---- requests --------------------------------------------------------------------------
@@ -373,7 +373,7 @@ class KVCacheManager:
         holding = slots[(self._num_computed[slots] > 0) | (self._num_uploaded[slots] > 0)]
         if holding.size:
             self._pending_free.extend(holding.tolist())
-            self._num_free_blocks = None  # known again after the next dispatch
+            self._num_free_blocks = None  # known again after the next dispatch (or a read)
         for request_id, slot in zip(request_ids, slots.tolist()):
             del self._slot_of[request_id]
             self._token_ids[slot] = None
@@ -397,7 +397,7 @@ class KVCacheManager:
         num_rows = FREE_ROWS if len(slots) <= FREE_ROWS else self.max_num_seqs
         self._state = self._free_fn(self._state, self._pad(slots, num_rows, self.max_num_seqs))
         self._pending_free.clear()
-        self._num_free_blocks = self._state.pool.num_free_blocks
+        self._num_free_blocks = None  # read on demand: a later dispatch may donate this state
         self._check()
 
     # ---- reading ---------------------------------------------------------------------------
@@ -413,7 +413,8 @@ class KVCacheManager:
         """Blocks allocatable now: free plus evictable cached ones, the null block excluded."""
         if self._num_free_blocks is None:
             self._flush_frees()
-        return int(self._num_free_blocks)
+            self._num_free_blocks = int(self._state.pool.num_free_blocks)
+        return self._num_free_blocks
 
     @property
     def num_requests(self) -> int:

@@ -88,6 +88,18 @@ def test_deferred_frees_ride_on_the_next_allocation():
     check_invariants(CFG, mgr.state)
 
 
+def test_free_count_survives_a_key_upload():
+    # Reading the state applies pending frees, then stores pending keys: a dispatch that donates the
+    # state. The free count read after it comes from the new state.
+    mgr = manager()
+    mgr.add_request("a", list(range(8)))
+    assert mgr.allocate_slots("a", 8)
+    mgr.free("a")
+    mgr.add_request("b", list(range(6)))  # keys waiting for the next dispatch
+    check_invariants(CFG, mgr.state)
+    assert mgr.num_free_blocks == 15
+
+
 def test_kernel_views():
     mgr = manager()
     mgr.add_request("a", list(range(5)))
