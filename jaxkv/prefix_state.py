@@ -106,6 +106,8 @@ class PrefixState:
     prompt_len:        int32[S]         each request's prompt tokens (0: not given; `prefix_tails`)
     copy_src:          int32[N]         source block of the pending copy into each block (NULL_BLOCK:
                                         none); both blocks hold a reference until it is released
+    num_cache_passes:  int32[]          `cache_full_blocks` calls so far (wraps around)
+    cached_in_pass:    int32[N]         the pass that indexed each block (meaningful for blocks it indexed)
     """
 
     index: IndexState
@@ -115,6 +117,8 @@ class PrefixState:
     shared_len: jax.Array
     prompt_len: jax.Array
     copy_src: jax.Array
+    num_cache_passes: jax.Array
+    cached_in_pass: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -155,6 +159,8 @@ def init_prefix_state(cfg: KVCacheConfig, prefix: PrefixCacheConfig, max_num_seq
         shared_len=jnp.zeros(max_num_seqs, jnp.int32),
         prompt_len=jnp.zeros(max_num_seqs, jnp.int32),
         copy_src=jnp.zeros(cfg.num_blocks, jnp.int32),
+        num_cache_passes=jnp.int32(0),
+        cached_in_pass=jnp.zeros(cfg.num_blocks, jnp.int32),
     )
 
 
@@ -393,31 +399,64 @@ def _uncache_free_blocks(state, blocks, valid):
                                prefix=dataclasses.replace(state.prefix, index=index))
 
 
+def _uncache_held_blocks(state, blocks, valid):
+    """Takes the held cached `blocks` int32[F] (valid bool[F]; repeats allowed) out of the index,
+    uncached: their holders keep them, and once released they go to the head of the free order.
+
+    No O(N) scratch: as in `pool.claim`, the entries write `entry − F − 1` (below NOT_CACHED,
+    smallest for the earliest) into `block_group` with a scatter-min and read it back, which
+    picks one entry per block for the index removal; then `block_group` is set to NOT_CACHED.
+    """
+    num_blocks, num_entries = state.pool.block_group.shape[0], blocks.shape[0]
+    code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries - 1
+    idx = jnp.where(valid, blocks, num_blocks)
+    block_group = state.pool.block_group.at[idx].min(code, mode="drop")
+    read = block_group[jnp.where(valid, blocks, NULL_BLOCK)]
+    # The written value depends on the read one, so XLA orders the read first and writes in place.
+    block_group = block_group.at[idx].set(jnp.where(read > 2**30, read, NOT_CACHED), mode="drop")
+    index = remove(state.prefix.index, blocks, valid & (read == code))
+    return dataclasses.replace(state, pool=dataclasses.replace(state.pool, block_group=block_group),
+                               prefix=dataclasses.replace(state.prefix, index=index))
+
+
 def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
     """Indexes the attention blocks at table entries [start, start + count) int32[R, G] of `slots` [R].
 
     One index entry per block-end unit, holding every group's block that ends there.
     NULL entries (released before they could be cached) are skipped. Where the key and
-    group are indexed already, a free indexed block (a copy aging in the free order) gives
-    way to the request's block (live: the newer copy), and goes to the head of the free
-    order uncached; a held indexed block wins (the request's block stays uncached).
-    Without this, a request that recomputes a cached block (its hit stopped before it)
-    leaves the old copy to be evicted while its own copy, unindexed, outlives it: a hole
-    in a run that every group's hit needs.
+    group are indexed already under another block, the newer copy (the request's block,
+    just computed) takes the entry, unless this pass indexed the old one (within a pass
+    the first row wins): a free old copy goes to the head of the free order uncached, a
+    held one stays with its holders, uncached (to the head once released).
+
+    Why the newer copy: requests that recompute a cached block (their hit stopped before
+    it) hold copies of it. The index can name one; if it names the old one, its holders
+    release it first, it is evicted, and the hit is gone while an identical copy is still
+    held (under memory pressure: a window group's run at a shared prefix, every sibling
+    after missing it). The newest copy is held longest.
     """
     shape = state.block_tables.shape
     groups = np.arange(shape[0], dtype=np.int32)
     tables_size = math.prod(shape)
+    num_blocks = state.pool.ref_cnt.shape[0]
+    this_pass = state.prefix.num_cache_passes + 1
+    state = dataclasses.replace(state, prefix=dataclasses.replace(state.prefix, num_cache_passes=this_pass))
 
     def body(state, in_range, row, slot, unit, block_idx, wanted, keys):
         flat = jnp.where(wanted, _table_index(shape, groups, slot, block_idx), tables_size)
         blocks = state.block_tables.reshape(-1).at[flat].get(mode="fill", fill_value=NULL_BLOCK)  # [K, G]
         indexed = probe(state.prefix.index, keys, in_range)
-        stale = (blocks != NULL_BLOCK) & (indexed != NULL_BLOCK) & (indexed != blocks)
-        stale = (stale & (state.pool.ref_cnt[indexed] == 0)).reshape(-1)
-        state = run_if(jnp.any(stale), lambda state: _uncache_free_blocks(state, indexed.reshape(-1), stale),
-                       state)
-        return _index_blocks(state, keys, blocks, in_range)
+        old = ((blocks != NULL_BLOCK) & (indexed != NULL_BLOCK) & (indexed != blocks)).reshape(-1)
+        indexed = indexed.reshape(-1)
+        held = state.pool.ref_cnt[indexed] > 0
+        free_old = old & ~held
+        held_old = old & held & (state.prefix.cached_in_pass[indexed] != this_pass)
+        state = run_if(jnp.any(free_old), lambda state: _uncache_free_blocks(state, indexed, free_old), state)
+        state = run_if(jnp.any(held_old), lambda state: _uncache_held_blocks(state, indexed, held_old), state)
+        state, placed = index_blocks(state, keys, blocks, in_range)
+        stamped = jnp.where(placed, blocks, num_blocks).reshape(-1)
+        return dataclasses.replace(state, prefix=dataclasses.replace(state.prefix, cached_in_pass=(
+            state.prefix.cached_in_pass.at[stamped].set(this_pass, mode="drop"))))
 
     return _walk_units(state, slots, start, count, rules, prefix, chunk_sizes, body, state)
 

@@ -212,16 +212,18 @@ class ModelState:
         unit = (j + 1) * self.groups[g].block_size // self.prefix.unit - 1
         return self.hashes[s][unit] if unit < len(self.hashes[s]) else None
 
-    def _cache(self, key, fields: dict[int, int], replace_free: bool = False) -> list[bool]:
+    def _cache(self, key, fields: dict[int, int], replace: bool = False) -> list[bool]:
         """Indexes one entry: the blocks `fields` {group: block} under `key`. Returns placed flags per group.
-        With `replace_free`, a free block indexed under (key, group) first leaves the index, uncached, to
-        the head."""
-        if replace_free:
+        With `replace` (an allocation's caching pass), a block indexed under (key, group) before this pass
+        first leaves the index, uncached (a free one to the head)."""
+        if replace:
             for g, block in fields.items():
                 old = self.index.probe(key, g)
-                if old not in (NULL_BLOCK, block) and self.ref_cnt[old] == 0:
-                    self.index.remove([old])
-                    del self.cached_group[old]
+                if old in (NULL_BLOCK, block) or old in self.cached_this_pass:
+                    continue
+                self.index.remove([old])
+                del self.cached_group[old]
+                if self.ref_cnt[old] == 0:
                     self.order.remove(old)
                     self.order.insert(0, old)
         row = [fields.get(g, NULL_BLOCK) for g in range(len(self.groups))]
@@ -229,6 +231,8 @@ class ModelState:
         for g, ok in enumerate(placed):
             if ok:
                 self.cached_group[row[g]] = g
+                if replace:
+                    self.cached_this_pass.add(row[g])
         return placed
 
     # ---- hits inside a block (jaxkv.prefix_tails) ---------------------------------------------
@@ -461,6 +465,7 @@ class ModelState:
                         and (j + 1) * bs <= min(self.num_computed[s], hashed_len) and block in self.cached_group):
                     self.index.remove([block])
                     del self.cached_group[block]
+        self.cached_this_pass: set[int] = set()
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             if not ok[i]:
                 continue
@@ -478,7 +483,7 @@ class ModelState:
                         by_unit.setdefault((j + 1) * bs // self.prefix.unit - 1, {})[g] = self.tables[g][s][j]
                 self.num_cached[g][s] = max(start, end)
             for unit in sorted(by_unit):
-                self._cache(self.hashes[s][unit], by_unit[unit], replace_free=True)
+                self._cache(self.hashes[s][unit], by_unit[unit], replace=True)
         if num_shared_tokens is not None:
             for i, s in enumerate(slots):
                 if ok[i] and first_call[i]:
