@@ -166,14 +166,24 @@ def valid_hit_blocks(rule: HitRule, cached: jax.Array) -> jax.Array:
       rule: the group's rule (static).
       cached: bool[R, N], whether each candidate block is cached.
     """
-    num_requests, num_blocks = cached.shape
-    # misses[:, L]: the blocks among the first L that are not cached (a prefix count: linear, where
+    return valid_hit_blocks_of_groups((rule,), cached[:, None, :])[:, 0]
+
+
+def valid_hit_blocks_of_groups(rules: tuple[HitRule, ...], cached: jax.Array) -> jax.Array:
+    """bool[R, G, N + 1]: `valid_hit_blocks` of every group at once (a few ops in all, not per group).
+
+    Args:
+      rules: one rule per group (static).
+      cached: bool[R, G, N], whether each candidate block of each group is cached.
+    """
+    num_requests, num_groups, num_blocks = cached.shape
+    # misses[..., L]: the blocks among the first L that are not cached (a prefix count: linear, where
     # XLA:CPU's cumulative max, a reduce-window, costs N² per row). A hit of L blocks needs no miss in
     # the last need(L) of them.
-    misses = jnp.concatenate([jnp.zeros((num_requests, 1), jnp.int32), count_prefix(~cached)], axis=1)
+    misses = jnp.concatenate([jnp.zeros((num_requests, num_groups, 1), jnp.int32), count_prefix(~cached)], axis=2)
     num_hit_blocks = np.arange(num_blocks + 1, dtype=np.int32)
-    run_start = num_hit_blocks - rule.need(num_hit_blocks)
-    return misses == misses[:, run_start]
+    run_start = np.stack([num_hit_blocks - rule.need(num_hit_blocks) for rule in rules])  # [G, N + 1]
+    return misses == jnp.take_along_axis(misses, run_start[None], axis=2)
 
 
 @functools.partial(jax.jit, static_argnames=("rules",))

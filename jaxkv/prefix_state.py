@@ -48,7 +48,7 @@ import numpy as np
 from jaxkv.config import KVCacheConfig
 from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, mark_cached, release, unclaim
 from jaxkv.prefix_cache import DEFAULT_WAYS, IndexState, init_index, insert, probe, remove
-from jaxkv.prefix_rules import HitRule, valid_hit_blocks
+from jaxkv.prefix_rules import HitRule, valid_hit_blocks_of_groups
 from jaxkv.ranges import in_chunks, range_chunk, range_layout, run_if
 from jaxkv.specs import NULL_BLOCK
 
@@ -509,7 +509,7 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     the full-attention groups alone (≥ hit_len; hit_len without such groups): where the
     request's prefix is known to be shared. Every group's candidate blocks up to the bound
     (at most X units) are probed, in chunks; then each group's valid hit lengths
-    (`prefix_rules.valid_hit_blocks`) are intersected on a grid of gcd(block sizes)
+    (`prefix_rules.valid_hit_blocks_of_groups`) are intersected on a grid of gcd(block sizes)
     tokens, as `prefix_rules.prefix_hit_len` does. With partial groups (`partial_groups`)
     every unit is probed and the grid is the unit: a length h inside a block is valid for a
     full-attention group when its full blocks before h are cached and (key(h), g) is
@@ -559,26 +559,21 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     step = prefix.unit if partial else math.gcd(*block_sizes.tolist())
     hit_lens = np.arange(0, num_keys_max * prefix.unit + 1, step, dtype=np.int32)  # the grid
     below = hit_lens[None, :] <= bound[:, None]  # [R, grid]
-    ok = below
-    own = []  # each group's own longest valid hit
-    for g, rule in enumerate(rules):
-        valid = valid_hit_blocks(rule, cached[:, g, : widths[g]])  # [R, W_g + 1]
-        on_block = hit_lens % rule.block_size == 0
-        if g in partial:
-            # key(h) indexed for group g: at_unit[unit h / u − 1] (h = 0: nothing needed).
-            keyed = jnp.concatenate([jnp.ones((num_rows, 1), bool), at_unit[:, g, hit_lens[1:] // prefix.unit - 1]],
-                                    axis=1)
-            if rule.kind == "full":
-                group_ok = valid[:, hit_lens // rule.block_size] & (on_block | keyed)
-            else:
-                group_ok = keyed
-        else:
-            group_ok = on_block & valid[:, np.minimum(hit_lens // rule.block_size, widths[g])]
-        own.append(jnp.max(jnp.where(group_ok & below, hit_lens, 0), axis=1))
-        ok &= group_ok
-    hit_len = jnp.max(jnp.where(ok, hit_lens, 0), axis=1)
-    is_full = [r.kind == "full" for r in rules]
-    full_len = jnp.max(jnp.stack([o for o, f in zip(own, is_full) if f] or [hit_len]), axis=0)
+    # Every group at once on [R, G, grid]: a group's candidates beyond its width count as its last.
+    valid = valid_hit_blocks_of_groups(rules, cached)  # [R, G, W + 1]
+    grid_blocks = np.minimum(hit_lens[None, :] // block_sizes[:, None], np.asarray(widths)[:, None])  # [G, grid]
+    on_block = hit_lens[None, :] % block_sizes[:, None] == 0
+    group_ok = jnp.take_along_axis(valid, grid_blocks[None], axis=2) & on_block[None]
+    for g in partial:
+        # key(h) indexed for group g: at_unit[unit h / u − 1] (h = 0: nothing needed).
+        keyed = jnp.concatenate([jnp.ones((num_rows, 1), bool), at_unit[:, g, hit_lens[1:] // prefix.unit - 1]],
+                                axis=1)
+        if rules[g].kind == "full":
+            keyed = valid[:, g, grid_blocks[g]] & (on_block[g] | keyed)
+        group_ok = group_ok.at[:, g].set(keyed)
+    hit_len = jnp.max(jnp.where(jnp.all(group_ok, axis=1) & below, hit_lens, 0), axis=1)
+    full = [g for g, r in enumerate(rules) if r.kind == "full"]
+    full_len = jnp.max(jnp.where(group_ok[:, full] & below[:, None], hit_lens, 0), axis=(1, 2)) if full else hit_len
     stats = PrefixStats(
         num_lookups=jnp.sum(num_keys > 0, dtype=jnp.int32),
         num_lookup_tokens=jnp.sum(valid_tokens, dtype=jnp.int32),
