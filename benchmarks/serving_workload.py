@@ -24,8 +24,9 @@ preempted and only when the whole request fits). A step is one
 
 Prefix caching is on (`--no-prefix-caching` turns it off): every prompt is hashed
 when the replay starts (request arrival; timed apart, as vLLM's peer times
-creating its requests), each admission candidate is looked up
-(`get_computed_tokens`, timed) and its hit claimed in the batch.
+creating its requests), the admission candidates are looked up (`get_computed_tokens_batch`,
+timed: in one dispatch, as many as the budget could take without hits, at most 8; with hits a
+further lookup may follow) and their hits claimed in the batch.
 
 Model: Gemma-3-27B-like, `plan(..., grouping="vllm")` (6 sliding-window groups of
 9, 9, 9, 9, 8, 8 layers, window 1024, and one full-attention group of 10; block size 16). Prints one
@@ -56,6 +57,7 @@ from jaxkv.invariants import check_invariants
 from jaxkv.manager import KVCacheManager
 
 NUM_LAYERS, WINDOW, BLOCK_SIZE = 62, 1024, 16
+LOOKUP_ROWS = 8  # admission candidates looked up in one dispatch (the manager's small batch)
 
 
 def gemma3_27b_config(num_blocks: int, max_model_len: int, max_num_batched_tokens: int) -> KVCacheConfig:
@@ -172,21 +174,38 @@ def replay(args, workload: dict, trace=None) -> dict:
         admitting = True
         while admitting:
             candidates, first_keys, shares = [], set(), False
-            for req in waiting:
-                if len(running) + len(candidates) >= args.max_num_seqs or budget <= 0:
+            queue = iter(waiting)
+            while not shares and budget > 0:
+                # The next candidates, looked up in one dispatch: as many as the budget would take
+                # without hits (at most LOOKUP_ROWS; with hits, another lookup may follow).
+                lookup, need = [], 0
+                for req in queue:
+                    if len(running) + len(candidates) + len(lookup) >= args.max_num_seqs:
+                        break
+                    first_key = req.hasher.digests[0] if caching and req.hasher.digests else None
+                    if first_key is not None and first_key in first_keys:
+                        shares = True
+                        break
+                    first_keys.add(first_key)
+                    lookup.append(req)
+                    need += len(req.token_ids)
+                    if need >= budget or len(lookup) == LOOKUP_ROWS:
+                        break
+                if not lookup:
                     break
-                if req.idx not in added:
-                    timed("add_request", mgr.add_request, req.idx, req.token_ids, unit_hasher=req.hasher)
-                    added.add(req.idx)
-                first_key = req.hasher.digests[0] if caching and req.hasher.digests else None
-                if first_key is not None and first_key in first_keys:
-                    shares = True
-                    break
-                first_keys.add(first_key)
-                hit = timed("lookup", mgr.get_computed_tokens, req.idx) if caching else 0
-                n = min(len(req.token_ids) - hit, budget)
-                candidates.append((req, n, hit))
-                budget -= n
+                for req in lookup:
+                    if req.idx not in added:
+                        timed("add_request", mgr.add_request, req.idx, req.token_ids, unit_hasher=req.hasher)
+                        added.add(req.idx)
+                found = timed("lookup", mgr.get_computed_tokens_batch, [r.idx for r in lookup]).tolist() \
+                    if caching else [0] * len(lookup)
+                for req, hit in zip(lookup, found):
+                    if budget <= 0:
+                        break
+                    n = min(len(req.token_ids) - hit, budget)
+                    candidates.append((req, n, hit))
+                    budget -= n
+            shares = shares and budget > 0  # a shared first key, not the budget, ended the round
             rows = batch + [(req, n) for req, n, _ in candidates]
             if not rows:
                 break
