@@ -124,7 +124,7 @@ class KVCacheManager:
         self._release: list[int] = []  # destinations of copies taken, their pins not released yet
         self._hashers: list[UnitHasher | None] = [None] * self.max_num_seqs
         self._keys: list[np.ndarray | None] = [None] * self.max_num_seqs  # uint32[units, 4] per slot
-        self._uploads: list[tuple[int, int]] = []  # (slot, first unit) of keys not on the device yet
+        self._uploads: dict[int, int] = {}  # slot -> its first unit whose key is not on the device yet
         self._num_uploaded = np.zeros(self.max_num_seqs, np.int64)  # units of each slot on the device
         self._num_uploads = 0
         self._shared_len = np.zeros(self.max_num_seqs, np.int64)  # each slot's last lookup's shared length
@@ -380,8 +380,8 @@ class KVCacheManager:
             self._hashers[slot] = self._keys[slot] = None
         if self._uploads:  # keys not on the device yet of a freed request: never needed
             freed = set(slots.tolist())
-            self._uploads = [(s, first) for s, first in self._uploads if s not in freed]
-            self._num_uploads = sum(len(self._keys[s]) - first for s, first in self._uploads)
+            self._uploads = {s: first for s, first in self._uploads.items() if s not in freed}
+            self._num_uploads = sum(len(self._keys[s]) - first for s, first in self._uploads.items())
         self._num_tokens[slots] = 0
         self._num_computed[slots] = 0
         self._num_uploaded[slots] = 0
@@ -434,23 +434,25 @@ class KVCacheManager:
     # ---- prefix-cache keys -----------------------------------------------------------------
     def _queue_upload(self, slot: int, first: int, num: int) -> None:
         if num:
-            self._uploads.append((slot, first))
+            self._uploads.setdefault(slot, first)  # a slot's keys go from its earliest pending unit on
             self._num_uploads += num
 
     def _take_uploads(self, num_rows: int) -> np.ndarray:
         """uint32[num_rows, 6]: the pending keys (at most num_rows), padded with slot S; clears them."""
         out = np.zeros((num_rows, UPLOAD_WORDS), np.uint32)
         out[:, 0] = self.max_num_seqs
-        row = 0
-        for slot, first in self._uploads:
-            keys = self._keys[slot][first:]
-            out[row: row + len(keys), 0] = slot
-            out[row: row + len(keys), 1] = np.arange(first, first + len(keys))
-            out[row: row + len(keys), 2:] = keys
-            row += len(keys)
-            self._num_uploaded[slot] = len(self._keys[slot])
-        self._uploads.clear()
-        self._num_uploads = 0
+        if self._uploads:
+            slots, firsts = np.fromiter(self._uploads, np.int64), np.fromiter(self._uploads.values(), np.int64)
+            keys = [self._keys[slot][first:] for slot, first in self._uploads.items()]
+            counts = np.fromiter(map(len, keys), np.int64, len(keys))
+            num = int(counts.sum())
+            # Rows [end − count, end) of slot i hold its units first_i, first_i + 1, ...
+            out[:num, 0] = np.repeat(slots, counts)
+            out[:num, 1] = np.arange(num) - np.repeat(np.cumsum(counts) - counts - firsts, counts)
+            out[:num, 2:] = np.concatenate(keys)
+            self._num_uploaded[slots] = firsts + counts
+            self._uploads.clear()
+            self._num_uploads = 0
         return out
 
     def _flush_uploads(self) -> None:

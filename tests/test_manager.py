@@ -263,3 +263,16 @@ def test_hits_inside_a_block_hand_out_copies():
     assert coarse.allocate_slots("a", 10) and coarse.allocate_slots("a", 1)
     coarse.add_request("b", a[:10] + [7, 8, 9])
     assert coarse.get_computed_tokens("b") == 0  # no step ended at 4 or 8
+
+
+def test_keys_appended_before_the_upload_go_once():
+    # 60 prompt keys and 4 appended ones wait together: the upload holds each key once (64 rows: the
+    # smallest upload width), and the device has all 64.
+    cfg = make_cfg(200, full(2), max_model_len=256, max_num_batched_tokens=16)
+    mgr = KVCacheManager(cfg, max_num_seqs=2)
+    mgr.add_request("a", list(range(121)))
+    mgr.append_token_ids("a", list(range(200, 208)))
+    state = mgr.state
+    keys = prompt_unit_hashes(list(range(121)) + list(range(200, 208)), 2)
+    assert int(state.prefix.num_hashed_units[0]) == 64
+    np.testing.assert_array_equal(np.asarray(state.prefix.req_hashes)[0, :64], keys)
