@@ -220,13 +220,22 @@ def test_window_blocks_past_the_shared_point_are_evicted_first():
     assert free_order(state.pool).tolist()[-4:] == [b5, b4, x3, x2]
 
 
+def _seven_token_prompt():
+    """(cfg, prefix config, unit keys): full attention, block 2, and a 7-token prompt (3 full blocks)."""
+    cfg = make_cfg(20, full(2), max_model_len=16, max_num_batched_tokens=16)
+    return cfg, PrefixCacheConfig.for_config(cfg), prompt_unit_hashes(list(range(7)), 2)
+
+
+def _indexed_full_blocks(state, keys) -> list[int]:
+    """The block indexed under each of `keys` for group 0."""
+    return np.asarray(probe(state.prefix.index, np.asarray(keys, np.uint32), np.ones(len(keys), bool)))[:, 0].tolist()
+
+
 def test_recomputed_block_replaces_a_free_indexed_copy():
     # A's freed blocks stay indexed; B computes the same 6 tokens without claiming them: B's (live)
     # blocks take their index entries, A's old copies are uncached and reused first.
-    cfg = make_cfg(20, full(2), max_model_len=16, max_num_batched_tokens=16)
-    prefix = PrefixCacheConfig.for_config(cfg)
+    cfg, prefix, keys = _seven_token_prompt()
     state = ms.init_state(cfg, NUM_SLOTS, prefix)
-    keys = prompt_unit_hashes(list(range(7)), 2)
     state, ok = _allocate(state, cfg, prefix, [(0, 7, 0)], _uploads({0: keys}))
     old = np.asarray(state.block_tables)[0, 0, :3].tolist()
     state = ms.free(state, _pad([0], NUM_SLOTS), cfg=cfg, prefix=prefix)
@@ -234,8 +243,7 @@ def test_recomputed_block_replaces_a_free_indexed_copy():
     assert ok == [True]
     new = np.asarray(state.block_tables)[0, 1, :3].tolist()
     assert not set(new) & set(old)
-    indexed = np.asarray(probe(state.prefix.index, np.asarray(keys, np.uint32), np.ones(len(keys), bool)))
-    assert indexed[:, 0].tolist() == new
+    assert _indexed_full_blocks(state, keys) == new
     assert free_order(state.pool).tolist()[:3] == old[::-1]  # last uncached, first reused
     assert (np.asarray(state.pool.block_group)[old] == -1).all()
 
@@ -243,18 +251,15 @@ def test_recomputed_block_replaces_a_free_indexed_copy():
 def test_recomputed_block_takes_the_index_from_a_held_copy():
     # A holds its blocks; B computes the same 6 tokens without claiming them: B's blocks (the newer
     # copies) take the index entries, A keeps its copies uncached, and freeing A sends them to the head.
-    cfg = make_cfg(20, full(2), max_model_len=16, max_num_batched_tokens=16)
-    prefix = PrefixCacheConfig.for_config(cfg)
+    cfg, prefix, keys = _seven_token_prompt()
     state = ms.init_state(cfg, NUM_SLOTS, prefix)
-    keys = prompt_unit_hashes(list(range(7)), 2)
     state, ok = _allocate(state, cfg, prefix, [(0, 7, 0)], _uploads({0: keys}))
     old = np.asarray(state.block_tables)[0, 0, :3].tolist()
     state, ok = _allocate(state, cfg, prefix, [(1, 7, 0)], _uploads({1: keys}))
     assert ok == [True]
     check_invariants(cfg, state, prefix)
     new = np.asarray(state.block_tables)[0, 1, :3].tolist()
-    indexed = np.asarray(probe(state.prefix.index, np.asarray(keys, np.uint32), np.ones(len(keys), bool)))
-    assert indexed[:, 0].tolist() == new
+    assert _indexed_full_blocks(state, keys) == new
     assert np.asarray(state.block_tables)[0, 0, :3].tolist() == old
     assert (np.asarray(state.pool.block_group)[old] == -1).all()
     state = ms.free(state, _pad([0], NUM_SLOTS), cfg=cfg, prefix=prefix)
@@ -265,9 +270,7 @@ def test_recomputed_block_takes_the_index_from_a_held_copy():
 def test_within_one_allocation_the_first_row_keeps_the_index():
     # Two rows of one call compute the same 6 tokens: the first row's blocks are indexed, the second's
     # stay uncached (within a caching pass the first row wins), whatever the chunk size.
-    cfg = make_cfg(20, full(2), max_model_len=16, max_num_batched_tokens=16)
-    prefix = PrefixCacheConfig.for_config(cfg)
-    keys = prompt_unit_hashes(list(range(7)), 2)
+    cfg, prefix, keys = _seven_token_prompt()
     for chunk_sizes in ((1,), (2,), (8,)):
         state = ms.init_state(cfg, NUM_SLOTS, prefix)
         state, result = ms.allocate(state, _pad([0, 1], NUM_SLOTS), _pad([7, 7], 0), None, None, None,
@@ -275,8 +278,7 @@ def test_within_one_allocation_the_first_row_keeps_the_index():
         assert np.asarray(result.ok)[:2].all()
         check_invariants(cfg, state, prefix)
         first, second = np.asarray(state.block_tables)[0, :2, :3].tolist()
-        indexed = np.asarray(probe(state.prefix.index, np.asarray(keys, np.uint32), np.ones(len(keys), bool)))
-        assert indexed[:, 0].tolist() == first, chunk_sizes
+        assert _indexed_full_blocks(state, keys) == first, chunk_sizes
         assert (np.asarray(state.pool.block_group)[second] == -1).all()
 
 
