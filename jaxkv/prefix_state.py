@@ -387,36 +387,29 @@ def _index_blocks(state, keys, blocks, valid):
     return index_blocks(state, keys, blocks, valid)[0]
 
 
-def _uncache_free_blocks(state, blocks, valid):
-    """Takes the free cached `blocks` int32[F] (valid bool[F]; repeats allowed) out of the index,
-    uncached, to the head of the free order (reused first)."""
-    pool, first = claim(state.pool, blocks, valid)  # out of the free order; `first`: one entry per block
-    pool = unclaim(pool, blocks, valid & ~first)  # repeats: back to one reference, pushed at the first entry
-    index = remove(state.prefix.index, blocks, first)
-    pool = dataclasses.replace(pool, block_group=pool.block_group.at[jnp.where(first, blocks, pool.ref_cnt.shape[0])]
-                               .set(NOT_CACHED, mode="drop"))
-    return dataclasses.replace(state, pool=release(pool, blocks, first),
-                               prefix=dataclasses.replace(state.prefix, index=index))
-
-
-def _uncache_held_blocks(state, blocks, valid):
-    """Takes the held cached `blocks` int32[F] (valid bool[F]; repeats allowed) out of the index,
-    uncached: their holders keep them, and once released they go to the head of the free order.
+def _uncache_blocks(state, blocks, valid):
+    """Takes the cached `blocks` int32[F] (valid bool[F]; repeats allowed) out of the index, uncached:
+    held ones stay with their holders (once released they go to the head of the free order), free
+    ones go to the head now (reused first).
 
     No O(N) scratch: as in `pool.claim`, the entries write `entry − F − 1` (below NOT_CACHED,
     smallest for the earliest) into `block_group` with a scatter-min and read it back, which
-    picks one entry per block for the index removal; then `block_group` is set to NOT_CACHED.
+    picks one entry per block; then `block_group` is set to NOT_CACHED.
     """
     num_blocks, num_entries = state.pool.block_group.shape[0], blocks.shape[0]
     code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries - 1
     idx = jnp.where(valid, blocks, num_blocks)
     block_group = state.pool.block_group.at[idx].min(code, mode="drop")
-    read = block_group[jnp.where(valid, blocks, NULL_BLOCK)]
+    safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
+    read = block_group[safe_blocks]
     # The written value depends on the read one, so XLA orders the read first and writes in place.
     block_group = block_group.at[idx].set(jnp.where(read > 2**30, read, NOT_CACHED), mode="drop")
-    index = remove(state.prefix.index, blocks, valid & (read == code))
-    return dataclasses.replace(state, pool=dataclasses.replace(state.pool, block_group=block_group),
-                               prefix=dataclasses.replace(state.prefix, index=index))
+    first = valid & (read == code)
+    free = first & (state.pool.ref_cnt[safe_blocks] == 0)
+    pool, _ = claim(dataclasses.replace(state.pool, block_group=block_group), blocks, free)  # out of the order
+    return dataclasses.replace(state, pool=release(pool, blocks, free),  # uncached now: pushed at the head
+                               prefix=dataclasses.replace(state.prefix, index=remove(state.prefix.index, blocks,
+                                                                                     first)))
 
 
 def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
@@ -448,11 +441,8 @@ def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheC
         indexed = probe(state.prefix.index, keys, in_range)
         old = ((blocks != NULL_BLOCK) & (indexed != NULL_BLOCK) & (indexed != blocks)).reshape(-1)
         indexed = indexed.reshape(-1)
-        held = state.pool.ref_cnt[indexed] > 0
-        free_old = old & ~held
-        held_old = old & held & (state.prefix.cached_in_pass[indexed] != this_pass)
-        state = run_if(jnp.any(free_old), lambda state: _uncache_free_blocks(state, indexed, free_old), state)
-        state = run_if(jnp.any(held_old), lambda state: _uncache_held_blocks(state, indexed, held_old), state)
+        old = old & (state.prefix.cached_in_pass[indexed] != this_pass)  # (blocks this pass indexed are held)
+        state = run_if(jnp.any(old), lambda state: _uncache_blocks(state, indexed, old), state)
         state, placed = index_blocks(state, keys, blocks, in_range)
         stamped = jnp.where(placed, blocks, num_blocks).reshape(-1)
         return dataclasses.replace(state, prefix=dataclasses.replace(state.prefix, cached_in_pass=(
