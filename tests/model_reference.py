@@ -23,8 +23,9 @@ With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.state._allocate_c
   group by group;
 * window retention: rows record the shared length they are admitted with; their
   sliding-window and chunked blocks past it are released to the head;
-* caching a full block whose key and group hold a free indexed block: that old
-  copy leaves the index, uncached, to the head, and the new block is indexed;
+* caching a full block whose key and group hold another block, indexed before this
+  call's caching pass: that old copy leaves the index, uncached (a free one to the
+  head, a held one stays with its holders), and the new block is indexed;
 * free: state blocks the last step ended on are cached first.
 
 With a unit finer than a full-attention or state group's block (`jaxkv.prefix_tails`):
