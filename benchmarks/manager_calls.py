@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Where a jitted allocation's time goes: dispatch, the transition's fixed cost, and its cost per block.
 
-For the Gemma-3-27B-like config of serving_workload.py (7 groups, block 16) at two pool sizes, times
-(best of 5 × 30 calls, µs per call, result on the host):
+For the Gemma-3-27B-like config of serving_workload.py (7 groups, block 16) at two pool sizes, with prefix
+caching off and on, times (best of 5 × 30 calls, µs per call, result on the host):
   dispatch   a jitted function that takes the ManagerState (donated) and returns it untouched;
   noop       `KVCacheManager.allocate_slots_batch` of R decode rows that need no new block;
   new_block  R rows that each need one new block per group (7·R new entries);
   prefill    2 rows of 4,096 new tokens (2 × 7 × 256 = 3,584 new blocks), R − 2 decode rows;
   release    R rows of one new block per group, after R/8 rows were prefilled to 1,536 tokens:
              their 6 sliding groups each release 32 blocks (R/8 × 192 entries).
+With caching on, every refill gives the rows prompts not seen before (no hits, nothing indexed twice):
+the calls index every block they fill, as a serving step does.
 
     python benchmarks/manager_calls.py --json
 """
@@ -45,10 +47,10 @@ def best_us(fn, setup, repeats=5, calls=30):
     return best * 1e6
 
 
-def measure(num_blocks: int, num_rows: int) -> dict:
+def measure(num_blocks: int, num_rows: int, caching: bool) -> dict:
     cfg = gemma3_27b_config(num_blocks, 32768, 8192)
     out = {}
-    mgr = KVCacheManager(cfg, max_num_seqs=256)
+    mgr = KVCacheManager(cfg, max_num_seqs=256, enable_prefix_caching=caching)
     mgr.warm_up()
     passthrough = jax.jit(lambda state, x: (state, x + 1), donate_argnums=0)
     holder = {"state": mgr.take_state()}
@@ -61,15 +63,20 @@ def measure(num_blocks: int, num_rows: int) -> dict:
     mgr.adopt_state(holder["state"], [])
 
     ids = list(range(num_rows))
-    for i in ids:
-        mgr.add_request(i, [0] * 9000)
-    counter = {"n": 0}
+    counter = {"n": 0, "prompts": 0}
+
+    def add_all():
+        """Adds every row with a prompt not seen before (token ids apart from every earlier one's)."""
+        for i in ids:
+            counter["prompts"] += 1
+            mgr.add_request(i, [counter["prompts"]] * 9000)
+
+    add_all()
 
     def fresh(prefill_tokens):
         """Frees everything, then prefills every row to `prefill_tokens` (untimed)."""
         mgr.free_batch(ids)
-        for i in ids:
-            mgr.add_request(i, [0] * 9000)
+        add_all()
         mgr.allocate_slots_batch(ids, prefill_tokens)
         mgr.num_free_blocks  # flush
 
@@ -107,8 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     sync_cpu_dispatch()
-    results = {f"{num_blocks}/R={num_rows}": measure(num_blocks, num_rows)
-               for num_blocks in (32768, 131072) for num_rows in (8, 256)}
+    results = {f"{num_blocks}/R={num_rows}/caching {'on' if caching else 'off'}": measure(num_blocks, num_rows, caching)
+               for num_blocks in (32768, 131072) for num_rows in (8, 256) for caching in (False, True)}
     if args.json:
         print(json.dumps(results))
     else:
