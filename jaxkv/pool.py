@@ -284,25 +284,34 @@ def touch(pool: PoolState, blocks, valid) -> PoolState:
     )
 
 
+def first_entries(values, blocks, valid, reset):
+    """Picks each block's earliest valid entry, without O(N) scratch; sets the blocks' `values` to `reset`.
+
+    values: int32[N], ≥ −1 at the blocks of the valid entries of `blocks` int32[F] (`valid` bool[F]).
+    The entries write `entry − F − 1` (below −1, smallest for the earliest) into `values` with a
+    scatter-min and read it back. Returns (values, first bool[F]).
+    """
+    num_pool_blocks, num_entries = values.shape[0], blocks.shape[0]
+    code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries - 1
+    idx = jnp.where(valid, blocks, num_pool_blocks)
+    values = values.at[idx].min(code, mode="drop")
+    read = values[jnp.where(valid, blocks, NULL_BLOCK)]
+    # The written value depends on the read one (values stay far below 2^30), so XLA orders the read
+    # first and writes in place instead of copying `values`.
+    values = values.at[idx].set(jnp.where(read > 2**30, read, reset), mode="drop")
+    return values, valid & (read == code)
+
+
 def claim(pool: PoolState, blocks, valid) -> tuple[PoolState, jax.Array]:
     """`touch` that also says which entries took a free block: (pool, was_free bool[F]).
 
     An entry takes a free block when the block's count was 0 and no earlier entry of
-    `blocks` int32[F] (`valid` bool[F]) took it. No O(N) scratch: the entries that find
-    count 0 write `entry − F` (negative, smallest for the earliest) into the counts
-    with a scatter-min, read it back, then reset it before adding the references.
+    `blocks` int32[F] (`valid` bool[F]) took it (`first_entries`).
     """
-    num_pool_blocks, num_entries = pool.ref_cnt.shape[0], blocks.shape[0]
-    code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries
+    num_pool_blocks = pool.ref_cnt.shape[0]
     safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
     finds_free = valid & (pool.ref_cnt[safe_blocks] == 0) & (safe_blocks != NULL_BLOCK)
-    free_idx = jnp.where(finds_free, blocks, num_pool_blocks)
-    ref_cnt = pool.ref_cnt.at[free_idx].min(code, mode="drop")
-    read = ref_cnt[safe_blocks]
-    was_free = finds_free & (read == code)
-    # The reset value depends on the read (counts stay far below 2^30): XLA orders the read
-    # first and scatters in place instead of copying the counts.
-    ref_cnt = ref_cnt.at[free_idx].set(jnp.where(read > 2**30, read, 0), mode="drop")
+    ref_cnt, was_free = first_entries(pool.ref_cnt, blocks, finds_free, 0)
     ref_cnt = ref_cnt.at[jnp.where(valid, blocks, num_pool_blocks)].add(1, mode="drop")
     pool = dataclasses.replace(pool, ref_cnt=ref_cnt,
                                num_free_blocks=pool.num_free_blocks - jnp.sum(was_free, dtype=jnp.int32))
@@ -317,16 +326,10 @@ def unclaim(pool: PoolState, blocks, valid) -> PoolState:
     nothing may have changed the ring since (no release, pop or compaction between
     the two calls).
     """
-    num_pool_blocks, num_entries = pool.ref_cnt.shape[0], blocks.shape[0]
-    code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries
+    num_pool_blocks = pool.ref_cnt.shape[0]
     safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
     ref_cnt = pool.ref_cnt.at[jnp.where(valid, blocks, num_pool_blocks)].add(-1, mode="drop")
-    now_free = valid & (ref_cnt[safe_blocks] == 0)
-    free_idx = jnp.where(now_free, blocks, num_pool_blocks)
-    ref_cnt = ref_cnt.at[free_idx].min(code, mode="drop")
-    read = ref_cnt[safe_blocks]
-    first = now_free & (read == code)
-    ref_cnt = ref_cnt.at[free_idx].set(jnp.where(read > 2**30, read, 0), mode="drop")  # in place, as in `claim`
+    ref_cnt, first = first_entries(ref_cnt, blocks, valid & (ref_cnt[safe_blocks] == 0), 0)
     return dataclasses.replace(pool, ref_cnt=ref_cnt,
                                num_free_blocks=pool.num_free_blocks + jnp.sum(first, dtype=jnp.int32))
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import KVCacheConfig
-from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, mark_cached, release, unclaim
+from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, first_entries, mark_cached, release, unclaim
 from jaxkv.prefix_cache import DEFAULT_WAYS, IndexState, init_index, insert, probe, remove
 from jaxkv.prefix_rules import HitRule, valid_hit_blocks_of_groups
 from jaxkv.ranges import in_chunks, range_chunk, range_layout, run_if
@@ -392,20 +392,10 @@ def _uncache_blocks(state, blocks, valid):
     held ones stay with their holders (once released they go to the head of the free order), free
     ones go to the head now (reused first).
 
-    No O(N) scratch: as in `pool.claim`, the entries write `entry − F − 1` (below NOT_CACHED,
-    smallest for the earliest) into `block_group` with a scatter-min and read it back, which
-    picks one entry per block; then `block_group` is set to NOT_CACHED.
+    One entry per block: `pool.first_entries`.
     """
-    num_blocks, num_entries = state.pool.block_group.shape[0], blocks.shape[0]
-    code = jnp.arange(num_entries, dtype=jnp.int32) - num_entries - 1
-    idx = jnp.where(valid, blocks, num_blocks)
-    block_group = state.pool.block_group.at[idx].min(code, mode="drop")
-    safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
-    read = block_group[safe_blocks]
-    # The written value depends on the read one, so XLA orders the read first and writes in place.
-    block_group = block_group.at[idx].set(jnp.where(read > 2**30, read, NOT_CACHED), mode="drop")
-    first = valid & (read == code)
-    free = first & (state.pool.ref_cnt[safe_blocks] == 0)
+    block_group, first = first_entries(state.pool.block_group, blocks, valid, NOT_CACHED)
+    free = first & (state.pool.ref_cnt[jnp.where(valid, blocks, NULL_BLOCK)] == 0)
     pool, _ = claim(dataclasses.replace(state.pool, block_group=block_group), blocks, free)  # out of the order
     return dataclasses.replace(state, pool=release(pool, blocks, free),  # uncached now: pushed at the head
                                prefix=dataclasses.replace(state.prefix, index=remove(state.prefix.index, blocks,
