@@ -46,6 +46,7 @@ from jaxkv.hashing import HashMode, UnitHasher, digests_to_keys
 from jaxkv.invariants import check_invariants
 from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
 from jaxkv.specs import cdiv
+from jaxkv.step import StepBatch, StepWork, allocate_step, walk_units
 
 PREFIX_STATS = ("lookups", "lookup_tokens", "hit_tokens", "reconciliation_miss_tokens", "claimed_hit_tokens")
 FREE_ROWS = 8  # pending frees carried by one allocation; more are flushed in their own dispatch
@@ -53,21 +54,39 @@ SMALL_ROWS = 8  # batches are padded to this many rows, or to max_num_seqs
 UPLOAD_ROWS = 1024  # unit keys carried by one allocation; more are stored in their own dispatch
 RELEASE_ROWS = 64  # taken block copies released by one allocation; more wait for the next
 _MIN_KEY_WIDTH = 64  # lookups pass keys padded to 64, 256, 1024, ... units
+_WALK_SIZES = (64, 512, 2048)  # a step's walks are compiled for at most this many entries, or sized at run time
+MAX_VARIANTS = 64  # allocation programs (work signatures) one manager compiles; later ones run the full program
 
 
-def _allocate_packed(state, rows, free_slots, uploads, released=None, *, cfg, prefix):
-    """`st._allocate` with the row arrays packed as int32[5, R] (slots, new tokens, full tokens, hit tokens,
-    shared tokens; with `released` copies, a sixth row: prompt tokens) and the result packed as int32[R + 2]
-    (ok flags, num_free_blocks, hit tokens claimed; with `released`, then the copies int32[R × G × 3]): one
-    argument and one transfer instead of several."""
-    hits, shared = (None, None) if prefix is None else (rows[3], rows[4])
-    prompts = None if released is None else rows[5]
-    state, result = st._allocate(state, rows[0], rows[1], rows[2], free_slots, hits, uploads, prompts, released,
-                                 shared, cfg=cfg, prefix=prefix)
-    out = [result.ok.astype(jnp.int32), result.num_free_blocks[None], result.num_hit_tokens[None]]
+def _walk_size(num_entries: int) -> int | None:
+    """The walk size a step with `num_entries` expected entries is compiled for (0: absent; None: at run time)."""
+    if num_entries == 0:
+        return 0
+    return next((size for size in _WALK_SIZES if num_entries <= size), None)
+
+
+def _allocate_packed(state, rows, slot_counts, free_slots, uploads, released=None, *, cfg, prefix, work):
+    """`step.allocate_step` with the row arrays packed as int32[5, R] (slots, new tokens, full tokens, hit
+    tokens, shared tokens; with `released` copies, a sixth row: prompt tokens) and the result packed as
+    int32[R + 3 + 2 R G] (ok flags, num_free_blocks, hit tokens claimed, unplanned entries, the rows' first
+    live indices and cached blocks [R, G]; with `released`, then the copies int32[R × G × 3]): one argument
+    and one transfer instead of several."""
+    caching = prefix is not None
+    batch = StepBatch(req_slots=rows[0], num_new_tokens=rows[1], num_full_tokens=rows[2],
+                      num_hit_tokens=rows[3] if caching else None, num_shared_tokens=rows[4] if caching else None,
+                      num_prompt_tokens=None if released is None else rows[5], free_slots=free_slots,
+                      hash_uploads=uploads, released_copies=released, slot_counts=slot_counts)
+    state, result = allocate_step(state, batch, cfg=cfg, prefix=prefix, work=work)
+    out = [result.ok.astype(jnp.int32), jnp.stack([result.num_free_blocks, result.num_hit_tokens,
+                                                   result.num_unplanned]),
+           result.first_live.reshape(-1), result.num_cached.reshape(-1)]
     if released is not None:
         out.append(result.copies.reshape(-1))
     return state, jnp.concatenate(out)
+
+
+def _set_counts(state, slot_counts):
+    return dataclasses.replace(state, num_computed=slot_counts)
 
 
 def _lookup_packed(state, keys, rows, *, cfg, prefix):
@@ -84,12 +103,15 @@ def _store_hashes(state, uploads):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
-    """The transitions with `cfg` bound (not hashed per call), shared by managers of one config."""
-    allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg, prefix=prefix), donate_argnames=("state",))
+    """The transitions with `cfg` bound (not hashed per call), shared by managers of one config. The
+    allocation is compiled once per work signature (`step.StepWork`, static), at most MAX_VARIANTS kept."""
+    allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg, prefix=prefix), static_argnames=("work",),
+                       donate_argnames=("state",))
     free = jax.jit(functools.partial(st._free, cfg=cfg, prefix=prefix), donate_argnames=("state",))
     lookup = jax.jit(functools.partial(_lookup_packed, cfg=cfg, prefix=prefix))
     store = jax.jit(_store_hashes, donate_argnames=("state",))
-    return allocate, free, lookup, store
+    set_counts = jax.jit(_set_counts, donate_argnames=("state",))
+    return allocate, free, lookup, store, set_counts
 
 
 class KVCacheManager:
@@ -117,7 +139,8 @@ class KVCacheManager:
             else None
         self.hash_mode = hash_mode
         self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
-        self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn = _jitted(cfg, self.prefix_config)
+        self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn = _jitted(
+            cfg, self.prefix_config)
         self._tails = self.prefix_config is not None and bool(partial_groups(cfg, self.prefix_config))
         self._num_prompt = np.zeros(self.max_num_seqs, np.int64)
         self._copies: list[np.ndarray] = []  # block copies not taken yet: int32[., 3]
@@ -138,6 +161,16 @@ class KVCacheManager:
         self._num_computed = np.zeros(self.max_num_seqs, np.int64)  # host mirror of the device's counts
         self._num_free_blocks: int | None = cfg.num_blocks - 1  # None: read from the device state
         self._pending_free: list[int] = []  # slots freed on the host, not yet on the device
+        # Host mirror of the device state, for the steps' work signatures (`_plan_step`):
+        self._rules = st.group_rules(cfg)
+        self._first_live = np.zeros((self.max_num_seqs, len(cfg.groups)), np.int64)
+        self._num_cached = np.zeros((self.max_num_seqs, len(cfg.groups)), np.int64)
+        self._num_keys = np.zeros(self.max_num_seqs, np.int64)  # unit keys of each slot (prefix caching)
+        self._num_hashed_tokens = np.zeros(self.max_num_seqs, np.int64)  # tokens its UnitHasher has taken
+        self._freed_counts: dict[int, int] = {}  # pending frees: the count the device still holds
+        self._pending_free_entries = 0  # table entries the pending frees release
+        self._counts_stale = False  # rows advanced on the host only since the last dispatch
+        self.step_variants: dict[StepWork, int] = {}  # work signatures compiled, and how many steps ran each
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], cache_salt: str | None = None, *,
@@ -188,6 +221,8 @@ class KVCacheManager:
             else:
                 self._keys[slot] = digests_to_keys(unit_hasher.digests)
             self._hashers[slot] = unit_hasher
+            self._num_keys[slot] = len(self._keys[slot])
+            self._num_hashed_tokens[slot] = len(token_ids)
             self._queue_upload(slot, 0, len(self._keys[slot]))
 
     def get_computed_tokens(self, request_id: Hashable) -> int:
@@ -224,20 +259,37 @@ class KVCacheManager:
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
         """Records tokens the model produced for the request."""
-        slot = self._slot(request_id)
-        new_token_ids = list(new_token_ids)
-        num_tokens = int(self._num_tokens[slot]) + len(new_token_ids)
-        if num_tokens > self.cfg.max_model_len:
-            raise ValueError(f"request {request_id!r} would have {num_tokens} tokens, more than "
+        self.append_token_ids_batch([request_id], [new_token_ids])
+
+    def append_token_ids_batch(self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]) -> None:
+        """`append_token_ids` for many requests (a step's sampled tokens): per request one list
+        extend; with prefix caching only the requests that complete a hash unit are hashed."""
+        slots = self._slots(request_ids)
+        if len(new_token_ids) != len(slots):
+            raise ValueError(f"{len(new_token_ids)} token lists for {len(slots)} requests; give one per request")
+        num_tokens = self._num_tokens[slots] + np.fromiter(map(len, new_token_ids), np.int64, len(slots))
+        over = num_tokens > self.cfg.max_model_len
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(f"request {request_ids[i]!r} would have {num_tokens[i]} tokens, more than "
                              f"max_model_len={self.cfg.max_model_len}")
-        self._token_ids[slot].extend(new_token_ids)
-        self._num_tokens[slot] = num_tokens
+        token_ids = self._token_ids
+        for slot, ids in zip(slots.tolist(), new_token_ids):
+            token_ids[slot].extend(ids)
+        self._num_tokens[slots] = num_tokens
         if self.prefix_config is not None:
-            new_keys = self._hashers[slot].extend(new_token_ids)
-            if len(new_keys):
-                first = len(self._keys[slot])
-                self._keys[slot] = np.concatenate([self._keys[slot], new_keys])
-                self._queue_upload(slot, first, len(new_keys))
+            unit = self.prefix_config.unit
+            for slot in slots[num_tokens // unit > self._num_hashed_tokens[slots] // unit].tolist():
+                self._hash_new_units(slot)
+
+    def _hash_new_units(self, slot: int) -> None:
+        """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload."""
+        new_keys = self._hashers[slot].extend(self._token_ids[slot][self._num_hashed_tokens[slot]:])
+        self._num_hashed_tokens[slot] = self._num_tokens[slot]
+        first = len(self._keys[slot])
+        self._keys[slot] = np.concatenate([self._keys[slot], new_keys])
+        self._num_keys[slot] = len(self._keys[slot])
+        self._queue_upload(slot, first, len(new_keys))
 
     def num_tokens(self, request_id: Hashable) -> int:
         """Prompt plus appended tokens of the request."""
@@ -271,18 +323,10 @@ class KVCacheManager:
         admission gate.
         """
         slots = self._slots(request_ids)
-        num_rows = self._num_rows(len(slots))
-        # slots, new tokens, full tokens, hit tokens, shared tokens (padding: slot S, 0, 0, 0, 0); prompt tokens
-        # (hits inside blocks)
-        rows = np.zeros((6 if self._tails else 5, num_rows), np.int64)
-        rows[0] = self.max_num_seqs
-        rows[0, : len(slots)] = slots
-        num_new = rows[1, : len(slots)]
-        num_new[:] = self._counts(request_ids, num_new_tokens, "num_new_tokens")
+        num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
         num_computed = self._num_computed[slots]
         num_tokens = self._num_tokens[slots]
-        hits = rows[3, : len(slots)]
-        rows[4, : len(slots)] = np.where(num_computed == 0, self._shared_len[slots], 0)
+        hits = np.zeros(len(slots), np.int64)
         if num_new_computed_tokens is not None and any(num_new_computed_tokens):
             hits[:] = self._counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
             bad = (hits > 0) & ((num_computed > 0) | (hits >= num_tokens) | (self.prefix_config is None))
@@ -296,48 +340,133 @@ class KVCacheManager:
             raise ValueError(f"request {request_ids[i]!r} has {num_tokens[i]} tokens, "
                              f"{num_computed[i] + hits[i]} computed: it cannot schedule {num_new[i]} more; "
                              "append the tokens first (append_token_ids)")
+        full = np.zeros(len(slots), np.int64)
         if isinstance(full_sequence_must_fit, (bool, np.bool_)):
             if full_sequence_must_fit:
-                rows[2, : len(slots)] = num_tokens
+                full[:] = num_tokens
         else:
             must_fit = np.asarray(full_sequence_must_fit, bool)
             if must_fit.shape != slots.shape:
                 raise ValueError(f"full_sequence_must_fit has shape {must_fit.shape}; expected one flag per "
                                  f"request ({len(slots)}) or a single bool")
-            rows[2, : len(slots)] = np.where(must_fit, num_tokens, 0)
+            full[:] = np.where(must_fit, num_tokens, 0)
         if len(self._pending_free) > FREE_ROWS:
             self._flush_frees()
+        if self.prefix_config is not None and self._num_uploads > UPLOAD_ROWS:
+            self._flush_uploads()
+        work, work_rows = self._plan_step(slots, num_computed, num_new, hits, full)
+        if not len(work_rows) and not self._tails:
+            # No row takes, releases, claims or indexes a block: the counts advance on the host only.
+            # Pending frees and keys wait for the next dispatch (or a read of the state).
+            self._num_computed[slots] += num_new
+            self._counts_stale = True
+            return np.ones(len(slots), bool)
+        sel_slots = slots[work_rows]
+        num_rows = self._num_rows(len(sel_slots))
+        # slots, new tokens, full tokens, hit tokens, shared tokens (padding: slot S, 0, 0, 0, 0); prompt tokens
+        # (hits inside blocks)
+        rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
+        rows[0] = self.max_num_seqs
+        m = len(sel_slots)
+        rows[0, :m] = sel_slots
+        rows[1, :m] = num_new[work_rows]
+        rows[2, :m] = full[work_rows]
+        rows[3, :m] = hits[work_rows]
+        rows[4, :m] = np.where(num_computed[work_rows] == 0, self._shared_len[sel_slots], 0)
         free_slots = None  # a shape without the free pass (compiled apart) when nothing is pending
         if self._pending_free:
             free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)
             free_slots[: len(self._pending_free)] = self._pending_free
-        uploads = None
-        if self.prefix_config is not None:
-            if self._num_uploads > UPLOAD_ROWS:
-                self._flush_uploads()
-                free_slots = None
-            uploads = self._take_uploads(UPLOAD_ROWS)
+        uploads = None if self.prefix_config is None else self._take_uploads(UPLOAD_ROWS)
         released = None
         if self._tails:
-            rows[5, : len(slots)] = self._num_prompt[slots]
+            rows[5, :m] = self._num_prompt[sel_slots]
             released = np.zeros(RELEASE_ROWS, np.int32)
             released[: len(self._release[:RELEASE_ROWS])] = self._release[:RELEASE_ROWS]
-        rows = rows.astype(np.int32)
-        self._state, packed = self._allocate_fn(self._state, rows, free_slots, uploads, released)
+        self._state, packed = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
+                                                released, work=work)
         self._pending_free.clear()
+        self._freed_counts.clear()
+        self._pending_free_entries = 0
         packed = np.asarray(packed)
+        num_free, num_hit, num_unplanned = packed[num_rows: num_rows + 3].tolist()
+        if num_unplanned:
+            raise RuntimeError(f"the step's work signature {work} left out {num_unplanned} table entries it had: "
+                               "the manager's mirror of the device state is wrong (a bug; please report it)")
+        mirrored = packed[num_rows + 3:].reshape(-1)
+        num_groups = len(self.cfg.groups)
+        self._first_live[sel_slots] = mirrored[: num_rows * num_groups].reshape(num_rows, num_groups)[:m]
+        self._num_cached[sel_slots] = mirrored[num_rows * num_groups: 2 * num_rows * num_groups].reshape(
+            num_rows, num_groups)[:m]
         if self._tails:
             del self._release[:RELEASE_ROWS]
-            copies = packed[num_rows + 2:].reshape(-1, 3)
+            copies = mirrored[2 * num_rows * num_groups:].reshape(-1, 3)
             copies = copies[copies[:, 1] != 0]
             if len(copies):
                 self._copies.append(copies)
-        ok = packed[: len(slots)] != 0
-        self._num_free_blocks = int(packed[num_rows])
-        self.prefix_stats["claimed_hit_tokens"] += int(packed[num_rows + 1])
-        self._num_computed[slots[ok]] += (rows[1, : len(slots)] + rows[3, : len(slots)])[ok]
+        # Rows left out of the batch always fit: every row before the first failed one is ok.
+        failed = np.flatnonzero(packed[:m] == 0)
+        num_ok = int(work_rows[failed[0]]) if len(failed) else len(slots)
+        ok = np.arange(len(slots)) < num_ok
+        self._counts_stale = self._counts_stale or m < num_ok
+        self._num_free_blocks = num_free
+        self.prefix_stats["claimed_hit_tokens"] += num_hit
+        self._num_computed[slots[ok]] += (num_new + hits)[ok]
         self._check()
         return ok
+
+    def _plan_step(self, slots, num_computed, num_new, hits, full):
+        """The step's work signature (`step.StepWork`) and the rows with block work int[W], from the host's
+        mirror of the counts.
+
+        A row has block work if it takes, releases, claims or indexes a block, or asks to fit whole; the
+        others only advance their count, on the host (configs with state groups send every row: a state
+        block may become findable at any call). Each walk's expected entries are rounded up to a size
+        of `_WALK_SIZES` (0: absent; above the largest: sized at run time). Hits inside blocks (copies)
+        take the full program.
+        """
+        all_rows = np.arange(len(slots))
+        if self._tails:
+            return StepWork(), all_rows
+        rules = self._rules
+        hit = hits > 0
+        n = np.where(hit, hits, num_computed)[:, None]
+        claim_start = st.keep_from_idx(hits[:, None], rules, xp=np)
+        first_live = np.where(hit[:, None], claim_start, self._first_live[slots])
+        _, num_released, _, need = st.allocation_ranges(n, num_new[:, None], first_live, rules, xp=np)
+        work = dict(take=need.sum(), release=num_released.sum())
+        has_work = (need.sum(axis=1) > 0) | (num_released.sum(axis=1) > 0) | hit | (full > 0)
+        if self.prefix_config is not None:
+            unit = self.prefix_config.unit
+            units_per_block = rules.block_size // unit
+            claim_count = np.where(hit[:, None], hits[:, None] // rules.block_size - claim_start, 0)
+            cache_from = np.where(hit[:, None], hits[:, None] // rules.block_size, self._num_cached[slots])
+            hashed_len = self._num_keys[slots][:, None] * unit  # every key is on the device after the step
+            full_blocks = np.minimum(n + num_new[:, None], hashed_len) // rules.block_size
+            cache_count = np.where(rules.kind != st.MAMBA, np.maximum(full_blocks - cache_from, 0), 0)
+            has_work |= cache_count.sum(axis=1) > 0
+            work.update(free=self._pending_free_entries, claim=walk_units(claim_start, claim_count, units_per_block),
+                        index=walk_units(cache_from, cache_count, units_per_block))
+        else:
+            work["release"] += self._pending_free_entries
+        work = StepWork(**{name: _walk_size(int(total)) for name, total in work.items()})
+        if work not in self.step_variants and len(self.step_variants) >= MAX_VARIANTS:
+            work = StepWork()  # the full program: every walk sized at run time
+        self.step_variants[work] = self.step_variants.get(work, 0) + 1
+        return work, all_rows if self._has_state_groups else np.flatnonzero(has_work)
+
+    def _device_counts(self) -> np.ndarray:
+        """int32[S]: every slot's count as the device should hold it (pending frees: the freed count)."""
+        counts = self._num_computed.astype(np.int32)
+        for slot, count in self._freed_counts.items():
+            counts[slot] = count
+        return counts
+
+    def _sync_counts(self) -> None:
+        """Writes the host's counts to the device state if rows advanced on the host only (one dispatch)."""
+        if self._counts_stale:
+            self._state = self._set_counts_fn(self._state, self._device_counts())
+            self._counts_stale = False
 
     def take_block_copies(self) -> np.ndarray:
         """int32[C, 3]: the block copies allocations made since the last call (source, destination,
@@ -373,6 +502,10 @@ class KVCacheManager:
         holding = slots[(self._num_computed[slots] > 0) | (self._num_uploaded[slots] > 0)]
         if holding.size:
             self._pending_free.extend(holding.tolist())
+            self._freed_counts.update(zip(holding.tolist(), self._num_computed[holding].tolist()))
+            _, count, _ = st.held_ranges(self._num_computed[holding][:, None], self._first_live[holding], self._rules,
+                                         xp=np)
+            self._pending_free_entries += int(count.sum())
             self._num_free_blocks = None  # known again after the next dispatch (or a read)
         for request_id, slot in zip(request_ids, slots.tolist()):
             del self._slot_of[request_id]
@@ -385,6 +518,9 @@ class KVCacheManager:
         self._num_tokens[slots] = 0
         self._num_computed[slots] = 0
         self._num_uploaded[slots] = 0
+        self._num_keys[slots] = 0
+        self._first_live[slots] = 0
+        self._num_cached[slots] = 0
         self._free_slots.extend(slots.tolist())
         if self.debug_checks:
             self._flush_frees()
@@ -393,10 +529,14 @@ class KVCacheManager:
         """Applies the recorded frees on the device now (one dispatch)."""
         if not self._pending_free:
             return
+        self._counts_stale = True  # the freed slots' counts (rows advanced on the host may be among them)
+        self._sync_counts()
         slots = np.asarray(self._pending_free, np.int32)
         num_rows = FREE_ROWS if len(slots) <= FREE_ROWS else self.max_num_seqs
         self._state = self._free_fn(self._state, self._pad(slots, num_rows, self.max_num_seqs))
         self._pending_free.clear()
+        self._freed_counts.clear()
+        self._pending_free_entries = 0
         self._num_free_blocks = None  # read on demand: a later dispatch may donate this state
         self._check()
 
@@ -424,9 +564,10 @@ class KVCacheManager:
     def state(self) -> st.ManagerState:
         """The device state (for composing the pure functions of `jaxkv.state` in a jitted step).
 
-        Pending frees and unit keys are applied first. Pass `prefix=mgr.prefix_config` to the
-        transitions.
+        Counts advanced on the host only, pending frees and unit keys are applied first. Pass
+        `prefix=mgr.prefix_config` to the transitions.
         """
+        self._sync_counts()
         self._flush_frees()
         self._flush_uploads()
         return self._state
@@ -487,8 +628,13 @@ class KVCacheManager:
             raise ValueError("adopt_state without take_state: the manager still holds its state")
         slots = self._slots(request_ids)
         self._state = state
-        num_computed, num_free = jax.device_get((state.num_computed[slots], state.pool.num_free_blocks))
+        num_computed, first_live, num_free = jax.device_get((state.num_computed[slots],
+                                                             state.first_live_idx[:, slots].T,
+                                                             state.pool.num_free_blocks))
         self._num_computed[slots] = num_computed
+        self._first_live[slots] = first_live
+        if state.prefix is not None:
+            self._num_cached[slots] = jax.device_get(state.prefix.num_cached_blocks[:, slots].T)
         self._num_free_blocks = int(num_free)
         self._check()
 
@@ -563,7 +709,8 @@ class KVCacheManager:
             rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
             rows[0] = self.max_num_seqs  # padding rows only
             for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
-                self._state, _ = self._allocate_fn(self._state, rows, free_slots, uploads, released)
+                self._state, _ = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
+                                                   released, work=StepWork())
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
             self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
 

@@ -53,13 +53,24 @@ def range_chunk(layout, chunk_idx, size: int):
     return entry < total, range_id, entry - range_starts[range_id]
 
 
-def in_chunks(total, chunk_sizes: tuple[int, ...], body_for_size, state):
+def in_chunks(total, chunk_sizes: tuple[int, ...] | int, body_for_size, state):
     """Runs `body_for_size(size)(chunk_idx, state)` over all `total` entries, `size` per step.
 
-    Takes the smallest size that covers the total (else the largest, in several steps). One
-    loop per size, all but the chosen one run zero steps: unlike `lax.switch`, loops carry the
-    state in place (a conditional over the state would copy it).
+    `chunk_sizes` a tuple: takes the smallest size that covers the total (else the largest, in
+    several steps). One loop per size, all but the chosen one run zero steps: unlike
+    `lax.switch`, loops carry the state in place (a conditional over the state would copy it).
+
+    `chunk_sizes` an int K (a step's work signature, `jaxkv.step.StepWork`): the caller expects
+    at most K entries, so the first K run as straight-line code, with no loop and nothing
+    hoisted out of one; a remainder (an estimate that was short) still runs, in a loop of
+    K-entry steps that is empty otherwise. K = 0: the caller expects no entry and the walk is
+    absent (the step reports entries it had, `jaxkv.step`).
     """
+    if isinstance(chunk_sizes, int):
+        if chunk_sizes == 0:
+            return state
+        state = body_for_size(chunk_sizes)(0, state)
+        return lax.fori_loop(1, jnp.maximum(cdiv(total, chunk_sizes), 1), body_for_size(chunk_sizes), state)
     choice = sum((total > size).astype(jnp.int32) for size in chunk_sizes[:-1])
     for i, size in enumerate(chunk_sizes):
         num_steps = jnp.where(choice == i, cdiv(total, size), 0)

@@ -43,7 +43,6 @@ from jaxkv.prefix_cache import remove
 from jaxkv.ranges import in_chunks as _in_chunks
 from jaxkv.ranges import range_chunk as _range_chunk
 from jaxkv.ranges import range_layout as _range_layout
-from jaxkv.ranges import run_if
 from jaxkv.ranges import table_ranges as _table_ranges
 from jaxkv.specs import NULL_BLOCK, cdiv
 
@@ -317,113 +316,17 @@ def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=No
               num_shared_tokens=None, *, cfg: KVCacheConfig,
               chunk_sizes: tuple[int, ...] | None = None,
               prefix: ps.PrefixCacheConfig | None = None) -> tuple[ManagerState, AllocateResult]:
-    """Makes room for `num_new_tokens` more tokens of each request, in priority order.
+    """Makes room for `num_new_tokens` int32[R] more tokens of each request `req_slots` int32[R],
+    in priority order: `jaxkv.step.allocate_step` with the parts of its `StepBatch` given as
+    arguments (same names and meanings) and every walk sized at run time. Jitted as `allocate`
+    (config, chunk sizes and prefix config static, state donated)."""
+    from jaxkv.step import StepBatch, allocate_step  # the step is built from this module's pieces
 
-    req_slots:       int32[R] distinct slots; S (= max_num_seqs) marks a padding row
-    num_new_tokens:  int32[R] tokens to schedule (≥ 0)
-    num_full_tokens: int32[R] or None; where > 0, admit only if blocks for that many
-                     tokens (capped per group at its admission cap) fit: vLLM's
-                     `full_sequence_must_fit`
-    free_slots:      int32[F] or None; requests to free first (as `free`), saving a
-                     dispatch; S marks padding
-    num_hit_tokens:  int32[R] or None (prefix caching): prefix-cache hit tokens to claim
-                     first, on a request's first call (see `_allocate_cached`)
-    hash_uploads:    uint32[X, 6] or None (prefix caching): unit keys to store first
-                     (`prefix_state.store_hashes`; after the frees)
-    num_prompt_tokens: int32[R] or None (prefix caching): the rows' prompt lengths (0:
-                     unknown); with a unit finer than a block, the prompt tail's final unit
-                     boundary gets a partial entry (`jaxkv.prefix_tails`)
-    released_copies: int32[C] or None (prefix caching): destinations of copies returned by
-                     earlier calls that have been applied; their pins are dropped first
-    num_shared_tokens: int32[R] or None (prefix caching): on a request's first call, the
-                     tokens its full-attention groups found cached (`lookup`'s shared_len):
-                     window retention (`_allocate_cached`) evicts its window blocks past
-                     that point first
-
-    Rows are handled as vLLM handles requests one after another (same outcome, one pass):
-    1. the freed requests release their blocks;
-    2. row i: if `num_full_tokens` asks, the whole request must fit in the blocks free
-       before its release; it releases, in every group, what the group no longer needs
-       by the tokens computed before the call (blocks behind a window: garbage either
-       way, DESIGN.md invariant 5); it takes the blocks its new tokens need, all groups
-       at once, if they fit. The first row that does not fit, and every row after it,
-       takes nothing and keeps its table (ok False); rows after it release nothing.
-       A scheduler preempts and retries from the failed row.
-    The releases (all rows up to the failed one) happen before the takes, so a row may
-    reuse a block a later row released; counts and outcomes are the sequential ones.
-    `chunk_sizes` (static): how many table entries one loop step may handle; each
-    loop takes the smallest that covers its total (default `default_chunk_sizes`).
-    Any choice is correct. With prefix caching (`state.prefix`; `prefix` static, default
-    `PrefixCacheConfig.for_config(cfg)`) see `_allocate_cached`. Returns the state and an
-    AllocateResult. Jitted as `allocate` (config, chunk sizes and prefix config static,
-    state donated).
-    """
-    rules = group_rules(cfg)
-    sizes = chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0])
-    if state.prefix is not None:
-        prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
-        return _allocate_cached(state, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
-                                hash_uploads, num_prompt_tokens, released_copies, num_shared_tokens, rules=rules,
-                                prefix=prefix, sizes=sizes)
-    if any(a is not None for a in (num_hit_tokens, hash_uploads, num_prompt_tokens, released_copies,
-                                   num_shared_tokens)):
-        raise ValueError("num_hit_tokens / hash_uploads / num_prompt_tokens / released_copies / num_shared_tokens "
-                         "given, but the state has no prefix cache; "
-                         "make it with init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))")
-    shape = state.block_tables.shape
-    num_free = state.pool.num_free_blocks
-    if free_slots is not None:
-        state, freed_ranges, num_freed_by_frees = _forget_rows(state, free_slots, rules)
-        num_free = num_free + num_freed_by_frees
-    row, slots, scatter_slots = _rows(state, req_slots)
-    n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
-    k = jnp.where(row, num_new_tokens, 0)[:, None]
-    first_live = state.first_live_idx[:, slots].T  # [R, G]
-    keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
-
-    # Blocks each row's release frees: every entry of an attention range holds a block,
-    # a state group's old entry may be NULL. Shared blocks (prefix caching) free nothing
-    # until their last holder releases them: counting them overestimates, which the
-    # check against the pool's own count after the releases corrects (conservatively).
-    old_state_block = state.block_tables[jnp.arange(shape[0])[None, :], slots[:, None],
-                                         jnp.minimum(first_live, shape[2] - 1)]
-    num_freed = jnp.where((rules.kind == MAMBA) & (old_state_block == NULL_BLOCK), 0, num_released)
-    num_freed = jnp.where(row, jnp.sum(num_freed, axis=1), 0)  # [R]
-    num_need = jnp.sum(need, axis=1)
-    scans = cumsum(jnp.stack([num_need, num_freed]), bound=num_need.shape[0] * shape[0] * shape[2])
-    need_before = scans[0] - num_need
-    free_before = num_free + scans[1] - num_freed
-    fits = need_before + num_need <= free_before + num_freed
-    gate = jnp.ones_like(fits)
-    if num_full_tokens is not None:
-        full = jnp.where(row, num_full_tokens, 0)[:, None]
-        table_len = -(-n // rules.block_size)
-        full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
-        full_need = jnp.sum(jnp.maximum(full_blocks - table_len, 0), axis=1)
-        gate = (full[:, 0] == 0) | (need_before + full_need <= free_before)
-    row_idx = jnp.arange(fits.shape[0], dtype=jnp.int32)
-    first_failed = jnp.min(jnp.where(fits & gate, fits.shape[0], row_idx))
-    releasing = row & ((row_idx < first_failed) | ((row_idx == first_failed) & gate))
-
-    # 1. Release what the freed requests held, then behind windows for rows up to the failed
-    # one: one pass.
-    ranges = _table_ranges(shape, slots, first_live, jnp.where(releasing[:, None], num_released, 0))
-    if free_slots is not None:
-        ranges = tuple(jnp.concatenate(parts) for parts in zip(freed_ranges, ranges))
-    state = _release_ranges(state, ranges, sizes)
-    new_first_live = jnp.where(releasing[:, None], keep, first_live)
-    state = dataclasses.replace(
-        state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(new_first_live.T, mode="drop")
-    )
-
-    # 2. Take new blocks, rows before the failed one (and only while the pool's count allows).
-    ok = row & (row_idx < first_failed) & (need_before + num_need <= state.pool.num_free_blocks)
-    state = _fill_ranges(state, _table_ranges(shape, slots, first_new, jnp.where(ok[:, None], need, 0)), sizes)
-    num_slots = state.num_computed.shape[0]
-    num_computed = state.num_computed.at[jnp.where(ok, slots, num_slots)].set((n + k)[:, 0], mode="drop")
-    state = dataclasses.replace(state, num_computed=num_computed)
-    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=jnp.int32(0),
-                                 copies=jnp.zeros((ok.shape[0], shape[0], 3), jnp.int32))
+    batch = StepBatch(req_slots=req_slots, num_new_tokens=num_new_tokens, num_full_tokens=num_full_tokens,
+                      num_hit_tokens=num_hit_tokens, num_shared_tokens=num_shared_tokens,
+                      num_prompt_tokens=num_prompt_tokens, free_slots=free_slots, hash_uploads=hash_uploads,
+                      released_copies=released_copies)
+    return allocate_step(state, batch, cfg=cfg, prefix=prefix, chunk_sizes=chunk_sizes)
 
 
 def _partial_groups(rules: GroupRules, prefix: ps.PrefixCacheConfig):
@@ -431,172 +334,6 @@ def _partial_groups(rules: GroupRules, prefix: ps.PrefixCacheConfig):
     mask = ((rules.kind == FULL) | (rules.kind == MAMBA)) & (rules.block_size > prefix.unit)
     return (mask, tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == FULL))),
             tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == MAMBA))))
-
-
-def _allocate_cached(state: ManagerState, req_slots, num_new_tokens, num_full_tokens, free_slots, num_hit_tokens,
-                     hash_uploads, num_prompt_tokens=None, released_copies=None, num_shared_tokens=None, *,
-                     rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes: tuple[int, ...]):
-    """`_allocate` with a prefix cache: vLLM's row-by-row outcome, with hits claimed first.
-
-    0. With a unit finer than some full-attention or state group's block (`jaxkv.prefix_tails`):
-       the released copies drop their pins first.
-    1. The freed requests release their blocks (the exact free count follows); uploaded
-       keys and prompt lengths are stored; state blocks that the rows' last step ended on
-       become findable, and so do the rows' prompt-tail blocks (`prefix_tails.register_tails`).
-    2. Claims: each row with h = num_hit_tokens > 0 (a request's first call) takes, per
-       group, the blocks its rule needs at h (`prefix_state.claim_hits`), tentatively,
-       in row order: references up, out of the free order, before any row takes a new
-       block (so no row can be handed a block another row claims). The claim is valid
-       only if every block is still cached under the request's keys, h is a multiple of
-       every group's block size and its keys are uploaded; otherwise the row fails (no
-       stale or partial hit is ever claimed). A valid claim counts as h computed tokens.
-       A hit ending inside block j of a partial group claims its source (`claim_tails`)
-       and takes a fresh block at j (copy-on-write: one more block to take, pinned with
-       its source; a state group writing a later block holds the source at j instead).
-    3. Rows in order as in `_allocate`, a row taking its new blocks plus its claimed
-       blocks that were free (each counted once); its release counts as freeing the
-       blocks it holds alone (count 1 after the claims: a lower bound, exact unless two
-       rows release one shared block). Rows after the first failure fail; the claims of
-       failed rows are given back exactly (`prefix_state.unclaim_hits`).
-    4. Releases (window retention: sliding-window and chunked blocks past the request's
-       shared point — `PrefixState.shared_len` — go to the head of the free order, as
-       uncached ones do: no other request's prompt is known to share them), then
-       new blocks (a popped cached block is evicted from the index in the same step), then
-       every attention block whose tokens are now all scheduled and whose key is known is
-       indexed (`prefix_state.cache_full_blocks`); admitted rows record their shared point.
-    """
-    shape = state.block_tables.shape
-    num_groups, num_slots, max_blocks = shape
-    state_groups = tuple(int(g) for g in np.flatnonzero(rules.kind == MAMBA))
-    partial_mask, full_partial, state_partial = _partial_groups(rules, prefix)
-    has_partial = bool(partial_mask.any())
-    tail_args = dict(block_size=rules.block_size, unit=prefix.unit, full_groups=full_partial,
-                     state_groups=state_partial)
-    if released_copies is not None:
-        state = pt.release_copies(state, released_copies)
-    if free_slots is not None:
-        state = _free_cached(state, free_slots, rules, prefix, sizes)
-    if hash_uploads is not None:
-        state = dataclasses.replace(state, prefix=ps.store_hashes(state.prefix, hash_uploads))
-    row, slots, scatter_slots = _rows(state, req_slots)
-    if num_prompt_tokens is not None:
-        state = dataclasses.replace(state, prefix=pt.set_prompt_len(state.prefix, scatter_slots,
-                                                                    jnp.where(row, num_prompt_tokens, 0)))
-    n = jnp.where(row, state.num_computed[slots], 0)[:, None]  # [R, 1]
-    k = jnp.where(row, num_new_tokens, 0)[:, None]
-    first_call = row & (n[:, 0] == 0)
-    state = ps.cache_state_blocks(state, scatter_slots, n[:, 0], state_groups=state_groups, rules=rules,
-                                  prefix=prefix)
-    copies = jnp.zeros((row.shape[0], num_groups, 3), jnp.int32)
-    if has_partial:
-        state, copies = pt.register_tails(state, scatter_slots, n[:, 0], move=True, **tail_args)
-    num_free = state.pool.num_free_blocks
-
-    # 2. Claims.
-    hashed_len = state.prefix.num_hashed_units[slots] * prefix.unit
-    if num_hit_tokens is None:
-        hit = hit_ok = jnp.zeros_like(row)
-        hit_len = jnp.zeros_like(n)
-    else:
-        hit = row & (num_hit_tokens > 0)
-        h = jnp.where(hit, num_hit_tokens, 0)[:, None]
-        aligned = jnp.all((h % rules.block_size == 0) | partial_mask, axis=1) & (h[:, 0] % prefix.unit == 0)
-        hit_ok = hit & first_call & aligned & (h[:, 0] <= hashed_len)
-        hit_len = jnp.where(hit_ok[:, None], h, 0)
-    hit_blocks = hit_len // rules.block_size  # [R, G]
-    claim_start = keep_from_idx(hit_len, rules)
-    claim_count = jnp.where(hit_ok[:, None], hit_blocks - claim_start, 0)
-    num_taken_free = jnp.zeros_like(n[:, 0])
-    partial = hit_ok[:, None] & partial_mask & (hit_len % rules.block_size != 0)  # [R, G]
-    tail_src = jnp.zeros_like(partial, dtype=jnp.int32)
-    if num_hit_tokens is not None:
-        state, num_found, num_taken_free = run_if(
-            jnp.any(hit_ok),
-            lambda carry: ps.claim_hits(carry[0], slots, claim_start, claim_count, rules=rules, prefix=prefix,
-                                        chunk_sizes=sizes),
-            (state, num_taken_free, num_taken_free))
-        hit_ok = hit_ok & (num_found == jnp.sum(claim_count, axis=1))
-        if has_partial:
-            state, tail_src, tails_found, tails_taken = pt.claim_tails(state, slots, hit_len[:, 0], partial,
-                                                                       unit=prefix.unit)
-            hit_ok = hit_ok & tails_found
-            num_taken_free = num_taken_free + tails_taken
-    n = jnp.where(hit_ok[:, None], hit_len, n)
-    first_live = jnp.where(hit_ok[:, None], claim_start, state.first_live_idx[:, slots].T)  # [R, G]
-    keep, num_released, first_new, need = allocation_ranges(n, k, first_live, rules)
-    # Copy-on-write: a hit inside block j takes a fresh block at j (a state group only if its step writes j).
-    cow = partial & hit_ok[:, None] & ((rules.kind == FULL) | (hit_len + k <= (hit_blocks + 1) * rules.block_size))
-    first_new = jnp.where(cow, hit_blocks, first_new)
-    need = need + cow
-
-    # 3. The rows in order. The blocks releases free matter only if the rows do not all fit without.
-    num_released = jnp.where(row[:, None], num_released, 0)
-    num_take = jnp.sum(need, axis=1) + num_taken_free
-    full_take = 0
-    if num_full_tokens is not None:
-        full = jnp.where(row, num_full_tokens, 0)[:, None]
-        full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
-        full_take = jnp.sum(jnp.maximum(full_blocks - -(-n // rules.block_size), 0), axis=1) + num_taken_free
-    all_fit = jnp.sum(num_take) + jnp.max(jnp.maximum(full_take - num_take, 0)) <= num_free
-    num_freed = run_if(~all_fit, lambda _: ps.count_sole_holders(state, slots, first_live, num_released,
-                                                                  chunk_sizes=sizes), jnp.zeros_like(num_take))
-    scans = cumsum(jnp.stack([num_take, num_freed]), bound=num_take.shape[0] * num_groups * max_blocks)
-    take_before = scans[0] - num_take
-    free_before = num_free + scans[1] - num_freed
-    fits = (take_before + num_take <= free_before + num_freed) & (hit_ok | ~hit)
-    gate = jnp.ones_like(fits)
-    if num_full_tokens is not None:
-        gate = (full[:, 0] == 0) | (take_before + full_take <= free_before)
-    row_idx = jnp.arange(fits.shape[0], dtype=jnp.int32)
-    first_failed = jnp.min(jnp.where(fits & gate, fits.shape[0], row_idx))
-    ok = row & (row_idx < first_failed)
-    releasing = row & ~hit & ((row_idx < first_failed) | ((row_idx == first_failed) & gate))
-    if num_hit_tokens is not None:
-        unclaim_count = jnp.where(ok[:, None], 0, claim_count)
-        state = run_if(jnp.any(unclaim_count > 0),
-                       lambda state: ps.unclaim_hits(state, slots, claim_start, unclaim_count, chunk_sizes=sizes),
-                       state)
-        if has_partial:
-            state = pt.unclaim_tails(state, tail_src, ok)
-
-    # 4. Releases, new blocks, caching. Window retention: a window block past the request's
-    # shared point is evicted first (no other request's prompt is known to share it).
-    ranges = _table_ranges(shape, slots, first_live, jnp.where(releasing[:, None], num_released, 0))
-    shared = state.prefix.shared_len[slots][:, None]
-    windowed = (rules.kind == SLIDING_WINDOW) | (rules.kind == CHUNKED_LOCAL)
-    evict_from = jnp.where(windowed & (shared > 0), shared // rules.block_size, max_blocks)
-    state = _release_ranges(state, ranges, sizes, evict_from.reshape(-1))
-    new_first_live = jnp.where((releasing | (ok & hit_ok))[:, None], keep, state.first_live_idx[:, slots].T)
-    state = dataclasses.replace(
-        state, first_live_idx=state.first_live_idx.at[:, scatter_slots].set(new_first_live.T, mode="drop"))
-    state = _fill_ranges(state, _table_ranges(shape, slots, first_new, jnp.where(ok[:, None], need, 0)), sizes)
-    if has_partial:
-        state, claim_copies = pt.place_tails(state, slots, hit_len[:, 0], jnp.where(ok[:, None], tail_src, NULL_BLOCK),
-                                             cow, block_size=rules.block_size)
-        copies = copies + claim_copies
-    ok_slots = jnp.where(ok, slots, num_slots)
-    state = dataclasses.replace(state, num_computed=state.num_computed.at[ok_slots].set((n + k)[:, 0], mode="drop"))
-    cache_from = jnp.where((ok & hit_ok)[:, None], hit_blocks, state.prefix.num_cached_blocks[:, slots].T)
-    if full_partial:
-        state = pt.unindex_filled_tails(state, ok_slots, (n + k)[:, 0], cache_from, **{
-            key: tail_args[key] for key in ("block_size", "unit", "full_groups")})
-    full_blocks = jnp.minimum(n + k, hashed_len[:, None]) // rules.block_size  # [R, G]
-    attention = ok[:, None] & (rules.kind != MAMBA)
-    cache_count = jnp.where(attention, jnp.maximum(full_blocks - cache_from, 0), 0)
-    state = ps.cache_full_blocks(state, slots, cache_from, cache_count, rules=rules, prefix=prefix,
-                                 chunk_sizes=sizes)
-    num_cached = jnp.where(attention, jnp.maximum(cache_from, full_blocks), 0)
-    prefix_state = dataclasses.replace(
-        state.prefix, num_cached_blocks=state.prefix.num_cached_blocks.at[:, ok_slots].set(num_cached.T,
-                                                                                             mode="drop"))
-    if num_shared_tokens is not None:  # on a request's first call
-        admitted = jnp.where(ok & first_call, slots, num_slots)
-        prefix_state = dataclasses.replace(prefix_state, shared_len=prefix_state.shared_len.at[admitted].set(
-            jnp.maximum(num_shared_tokens, 0), mode="drop"))
-    state = dataclasses.replace(state, prefix=prefix_state)
-    num_hit = jnp.sum(jnp.where(ok & hit_ok, hit_len[:, 0], 0))
-    return state, AllocateResult(ok=ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=num_hit,
-                                 copies=copies)
 
 
 def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes):
