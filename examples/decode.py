@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     print(f"cache {tuple(loop.cache.shape)} sharded as {loop.cache.sharding.spec if args.tp > 1 else 'one device'}; "
           f"generated tokens digest {digest}")
     print(f"engine steps: {s.steps} ({s.device_loops} on-device loops of {args.decode_steps} decode steps), "
-          f"preemptions: {s.preemptions}")
+          f"preemptions: {s.preemptions}, allocation programs (work signatures): {len(loop.mgr.step_variants)}")
     print(f"prefix-hit rate: {s.prefix_hit_tokens}/{s.prompt_tokens} prompt tokens "
           f"({100 * s.prefix_hit_tokens / max(s.prompt_tokens, 1):.1f}%)")
     print("peak KV blocks in use per group: " + ", ".join(

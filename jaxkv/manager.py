@@ -54,7 +54,7 @@ SMALL_ROWS = 8  # batches are padded to this many rows, or to max_num_seqs
 UPLOAD_ROWS = 1024  # unit keys carried by one allocation; more are stored in their own dispatch
 RELEASE_ROWS = 64  # taken block copies released by one allocation; more wait for the next
 _MIN_KEY_WIDTH = 64  # lookups pass keys padded to 64, 256, 1024, ... units
-_WALK_SIZES = (64, 512, 2048)  # a step's walks are compiled for at most this many entries, or sized at run time
+_WALK_SIZES = (512,)  # a step's walks are compiled for at most this many entries, or sized at run time
 MAX_VARIANTS = 64  # allocation programs (work signatures) one manager compiles; later ones run the full program
 
 
@@ -121,10 +121,24 @@ class KVCacheManager:
     transition (slow; for tests and debugging). `prefix_match_unit`: tokens per
     hash unit (default: the gcd of the groups' block sizes; it must divide each
     of them). `hash_mode="vllm"` hashes units exactly as vLLM does.
+
+    `specialize_steps` (default True): each allocation dispatches a program compiled for the
+    work its step has (`jaxkv.step.StepWork`), with only the rows that have block work; rows
+    that only advance their count are counted on the host, and a step without block work makes
+    no dispatch. False: every step runs the full program with every row (same outcome; for
+    tests and comparisons). `step_variants` counts the steps of each signature.
+
+    `device`: where the state lives (default: JAX's default device). On a GPU/TPU host the
+    state can live on the host's CPU backend (`jax.devices("cpu")[0]`): each step's bookkeeping
+    then runs on the CPU without a device round trip per dispatch, and block tables and slot
+    mappings travel to the model's device as arrays, one transfer each
+    (`jax.device_put(tables, model_device)`). Keep it on the accelerator when allocation
+    runs inside an on-device loop (`state.decode_steps`).
     """
 
     def __init__(self, cfg: KVCacheConfig, max_num_seqs: int = 256, enable_prefix_caching: bool = True, *,
-                 debug_checks: bool = False, prefix_match_unit: int | None = None, hash_mode: HashMode = "jaxkv"):
+                 debug_checks: bool = False, prefix_match_unit: int | None = None, hash_mode: HashMode = "jaxkv",
+                 specialize_steps: bool = True, device: jax.Device | None = None):
         if not isinstance(cfg, KVCacheConfig):
             raise TypeError(f"cfg must be a KVCacheConfig (from jaxkv.plan), got {type(cfg).__name__}")
         if int(max_num_seqs) <= 0:
@@ -135,10 +149,14 @@ class KVCacheManager:
         if prefix_match_unit is not None and not self.enable_prefix_caching:
             raise ValueError(f"{prefix_match_unit=} given, but prefix caching is off")
         self.debug_checks = debug_checks
+        self.specialize_steps = bool(specialize_steps)
+        self.device = device
         self.prefix_config = PrefixCacheConfig.for_config(cfg, prefix_match_unit) if self.enable_prefix_caching \
             else None
         self.hash_mode = hash_mode
         self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
+        if device is not None:
+            self._state = jax.device_put(self._state, device)
         self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn = _jitted(
             cfg, self.prefix_config)
         self._tails = self.prefix_config is not None and bool(partial_groups(cfg, self.prefix_config))
@@ -426,7 +444,7 @@ class KVCacheManager:
         take the full program.
         """
         all_rows = np.arange(len(slots))
-        if self._tails:
+        if self._tails or not self.specialize_steps:
             return StepWork(), all_rows
         rules = self._rules
         hit = hits > 0

@@ -106,7 +106,7 @@ class PrefixState:
     prompt_len:        int32[S]         each request's prompt tokens (0: not given; `prefix_tails`)
     copy_src:          int32[N]         source block of the pending copy into each block (NULL_BLOCK:
                                         none); both blocks hold a reference until it is released
-    num_cache_passes:  int32[]          `cache_full_blocks` calls so far (wraps around)
+    num_cache_passes:  int32[]          `cache_full_blocks` calls that had blocks to index (wraps around)
     cached_in_pass:    int32[N]         the pass that indexed each block (meaningful for blocks it indexed)
     """
 
@@ -422,7 +422,7 @@ def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheC
     groups = np.arange(shape[0], dtype=np.int32)
     tables_size = math.prod(shape)
     num_blocks = state.pool.ref_cnt.shape[0]
-    this_pass = state.prefix.num_cache_passes + 1
+    this_pass = state.prefix.num_cache_passes + jnp.any(count > 0)  # a pass that indexes nothing is not counted
     state = dataclasses.replace(state, prefix=dataclasses.replace(state.prefix, num_cache_passes=this_pass))
 
     def body(state, in_range, row, slot, unit, block_idx, wanted, keys):

@@ -210,7 +210,7 @@ def sync_counts(state: ManagerState, batch: StepBatch) -> ManagerState:
     """The host's counts of every slot replace the state's (rows it left out advanced there)."""
     if batch.slot_counts is None:
         return state
-    return dataclasses.replace(state, num_computed=batch.slot_counts.astype(jnp.int32))
+    return dataclasses.replace(state, num_computed=jnp.asarray(batch.slot_counts, jnp.int32))
 
 
 def free_requests(state: ManagerState, batch: StepBatch, ctx: _Context):
