@@ -11,14 +11,19 @@ caching off and on, times (best of 5 × 30 calls, µs per call, result on the ho
              their 6 sliding groups each release 32 blocks (R/8 × 192 entries).
 With caching on, every refill gives the rows prompts not seen before (no hits, nothing indexed twice):
 the calls index every block they fill, as a serving step does.
+Each case also reports the work signature of its timed call (`jaxkv.step.StepWork`; None: no dispatch)
+and the HLO instructions of that program. `--program both` measures the default manager (specialised
+steps) beside `specialize_steps=False` (every step the full program with every row) in one run.
 
     python benchmarks/manager_calls.py --json
+    python benchmarks/manager_calls.py --pools 32768 --caching on --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -28,9 +33,21 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from serving_workload import gemma3_27b_config, sync_cpu_dispatch  # noqa: E402
 
-from jaxkv.manager import KVCacheManager  # noqa: E402
+from jaxkv.manager import UPLOAD_ROWS, KVCacheManager  # noqa: E402
+from jaxkv.prefix_state import UPLOAD_WORDS  # noqa: E402
 
 BLOCK = 16
+
+
+def program_ops(mgr: KVCacheManager, work, num_rows: int) -> int:
+    """HLO instructions of the compiled allocation program of signature `work` for `num_rows` rows."""
+    rows = np.zeros((5, num_rows), np.int32)
+    uploads = None
+    if mgr.prefix_config is not None:
+        uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
+    text = mgr._allocate_fn.lower(mgr._state, rows, mgr._device_counts(), None, uploads, None,
+                                  work=work).compile().as_text()
+    return sum(1 for line in text.splitlines() if re.match(r"\s+(ROOT )?\S+ = ", line))
 
 
 def best_us(fn, setup, repeats=5, calls=30):
@@ -47,11 +64,12 @@ def best_us(fn, setup, repeats=5, calls=30):
     return best * 1e6
 
 
-def measure(num_blocks: int, num_rows: int, caching: bool) -> dict:
+def measure(num_blocks: int, num_rows: int, caching: bool, specialize: bool) -> dict:
     cfg = gemma3_27b_config(num_blocks, 32768, 8192)
-    out = {}
-    mgr = KVCacheManager(cfg, max_num_seqs=256, enable_prefix_caching=caching)
-    mgr.warm_up()
+    out, programs = {}, {}
+    mgr = KVCacheManager(cfg, max_num_seqs=256, enable_prefix_caching=caching, specialize_steps=specialize)
+    if not specialize:
+        mgr.warm_up()  # specialised signatures compile on first use, outside the best of 5
     passthrough = jax.jit(lambda state, x: (state, x + 1), donate_argnums=0)
     holder = {"state": mgr.take_state()}
 
@@ -83,6 +101,7 @@ def measure(num_blocks: int, num_rows: int, caching: bool) -> dict:
     # noop: rows at 1 token into a block decode one more token (no block boundary).
     fresh([BLOCK + 1] * num_rows)
     out["noop"] = best_us(lambda: mgr.allocate_slots_batch(ids, [1] * num_rows), lambda: None, calls=10)
+    programs["noop"] = mgr.last_work
 
     def at_boundary():
         if counter["n"] % 10 == 0:
@@ -93,12 +112,14 @@ def measure(num_blocks: int, num_rows: int, caching: bool) -> dict:
         mgr.allocate_slots_batch(ids, [BLOCK] * num_rows)  # one new block per group per row
 
     out["new_block"] = best_us(one_each, at_boundary, calls=9)
+    programs["new_block"] = mgr.last_work
 
     def prefill_setup():
         fresh([BLOCK + 1] * num_rows)
 
     out["prefill"] = best_us(lambda: mgr.allocate_slots_batch(ids, [4096, 4096] + [1] * (num_rows - 2)),
                              prefill_setup, calls=5)
+    programs["prefill"] = mgr.last_work
 
     eighth = max(num_rows // 8, 1)
 
@@ -106,16 +127,31 @@ def measure(num_blocks: int, num_rows: int, caching: bool) -> dict:
         fresh([1536] * eighth + [BLOCK] * (num_rows - eighth))
 
     out["release"] = best_us(lambda: mgr.allocate_slots_batch(ids, [BLOCK] * num_rows), release_setup, calls=5)
-    return {k: round(v, 1) for k, v in out.items()}
+    programs["release"] = mgr.last_work
+    out = {k: round(v, 1) for k, v in out.items()}
+    for case, work in programs.items():  # the signature of each case's timed call and its program's size
+        out[f"{case}_work"] = None if work is None else str(work)
+        out[f"{case}_ops"] = 0 if work is None else program_ops(mgr, work, mgr._num_rows(num_rows))
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--pools", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 256])
+    p.add_argument("--caching", choices=["on", "off", "both"], default="both")
+    p.add_argument("--program", choices=["specialised", "full", "both"], default="both",
+                   help="specialised: each step's own work signature (the default manager); full: "
+                        "specialize_steps=False, every step the full program with every row")
     args = p.parse_args(argv)
     sync_cpu_dispatch()
-    results = {f"{num_blocks}/R={num_rows}/caching {'on' if caching else 'off'}": measure(num_blocks, num_rows, caching)
-               for num_blocks in (32768, 131072) for num_rows in (8, 256) for caching in (False, True)}
+    cachings = {"on": [True], "off": [False], "both": [False, True]}[args.caching]
+    programs = {"specialised": [True], "full": [False], "both": [True, False]}[args.program]
+    results = {f"{num_blocks}/R={num_rows}/caching {'on' if caching else 'off'}/"
+               f"{'specialised' if specialize else 'full'}": measure(num_blocks, num_rows, caching, specialize)
+               for num_blocks in args.pools for num_rows in args.rows for caching in cachings
+               for specialize in programs}
     if args.json:
         print(json.dumps(results))
     else:

@@ -8,12 +8,20 @@ caught before anything is dispatched. Every `*_batch` call is one jitted
 dispatch for many requests; the per-request calls are batches of one.
 
 Fast path:
-* batches are padded to 8 rows or to `max_num_seqs`, with or without pending
-  frees: four compiled shapes of the allocation (`warm_up` compiles them) serve
-  every step;
+* each allocation sends only the rows with block work (a block to take, release,
+  claim or index, or a whole-request gate); the others only advance their count,
+  which the host keeps (the device's is written at the next dispatch or read), and a
+  step without block work makes no dispatch;
+* the program is compiled for the step's work signature (`jaxkv.step.StepWork`,
+  from the host's mirror of the counts): walks the step does not have are absent,
+  small ones straight-line code; batches are padded to 8 rows or to `max_num_seqs`,
+  with or without pending frees;
 * `free` only records the slots; the next allocation frees them first, in the
   same dispatch (anything that reads the device state flushes them first), so a
-  serving step is one dispatch and one small transfer back (ok flags, free count).
+  serving step is at most one dispatch and one small transfer back (ok flags, free
+  count, the rows' mirrored counts);
+* `append_token_ids_batch` takes a step's sampled tokens in one call; only requests
+  that complete a hash unit are hashed.
 
 Prefix caching (on by default): `add_request` and `append_token_ids` hash the
 request's full units on the host (`jaxkv.hashing.UnitHasher`: chained SHA-256,
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +94,7 @@ def _allocate_packed(state, rows, slot_counts, free_slots, uploads, released=Non
 
 
 def _set_counts(state, slot_counts):
-    return dataclasses.replace(state, num_computed=slot_counts)
+    return dataclasses.replace(state, num_computed=jnp.asarray(slot_counts, jnp.int32))
 
 
 def _lookup_packed(state, keys, rows, *, cfg, prefix):
@@ -189,6 +197,7 @@ class KVCacheManager:
         self._pending_free_entries = 0  # table entries the pending frees release
         self._counts_stale = False  # rows advanced on the host only since the last dispatch
         self.step_variants: dict[StepWork, int] = {}  # work signatures compiled, and how many steps ran each
+        self.last_work: StepWork | None = None  # the last allocation's signature (None: no dispatch)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], cache_salt: str | None = None, *,
@@ -378,6 +387,7 @@ class KVCacheManager:
             # Pending frees and keys wait for the next dispatch (or a read of the state).
             self._num_computed[slots] += num_new
             self._counts_stale = True
+            self.last_work = None
             return np.ones(len(slots), bool)
         sel_slots = slots[work_rows]
         num_rows = self._num_rows(len(sel_slots))
@@ -471,6 +481,7 @@ class KVCacheManager:
         if work not in self.step_variants and len(self.step_variants) >= MAX_VARIANTS:
             work = StepWork()  # the full program: every walk sized at run time
         self.step_variants[work] = self.step_variants.get(work, 0) + 1
+        self.last_work = work
         return work, all_rows if self._has_state_groups else np.flatnonzero(has_work)
 
     def _device_counts(self) -> np.ndarray:
@@ -715,20 +726,24 @@ class KVCacheManager:
     def _num_rows(self, num_requests: int) -> int:
         return min(SMALL_ROWS, self.max_num_seqs) if num_requests <= SMALL_ROWS else self.max_num_seqs
 
-    def warm_up(self) -> None:
-        """Compiles every shape the manager dispatches (calls that change nothing), so that no
-        step of a serving loop waits for a compilation. Lookups compile per key width on first use."""
+    def warm_up(self, variants: Iterable[StepWork] = ()) -> None:
+        """Compiles the shapes the manager dispatches (calls that change nothing), so that no step of a
+        serving loop waits for a compilation: the full program (`StepWork()`, which serves any step) and
+        the work signatures `variants` (e.g. a previous run's `step_variants`), for every row count and
+        with and without pending frees. Other signatures compile on first use (set JAX's persistent
+        compilation cache to keep them across runs). Lookups compile per key width on first use."""
         uploads = None
         if self.prefix_config is not None:
             uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
             uploads[:, 0] = self.max_num_seqs  # padding only
         released = np.zeros(RELEASE_ROWS, np.int32) if self._tails else None
-        for num_rows in sorted({self._num_rows(1), self.max_num_seqs}):
-            rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
-            rows[0] = self.max_num_seqs  # padding rows only
-            for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
-                self._state, _ = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
-                                                   released, work=StepWork())
+        for work in dict.fromkeys([StepWork(), *variants]):
+            for num_rows in sorted({self._num_rows(1), self.max_num_seqs}):
+                rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
+                rows[0] = self.max_num_seqs  # padding rows only
+                for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
+                    self._state, _ = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
+                                                       released, work=work)
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
             self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
 

@@ -230,6 +230,11 @@ def _end_units(block_start, block_count, units_per_block: np.ndarray):
     return jnp.where(jnp.any(has, axis=1), first_k, 0), jnp.maximum(jnp.max(last, axis=1) - first_k, 0)
 
 
+def walk_length(block_start, block_count, rules, prefix: PrefixCacheConfig):
+    """int32[]: the block-end units a walk over ranges [start, start + count) int32[R, G] visits."""
+    return jnp.sum(_end_units(block_start, block_count, _units_per_block(rules, prefix))[1])
+
+
 def _unit_blocks(k, units_per_block: np.ndarray, block_start, block_count):
     """At grid steps k int32[K] of rows with block ranges [start, start + count) int32[K, G]:
 

@@ -60,17 +60,13 @@ def in_chunks(total, chunk_sizes: tuple[int, ...] | int, body_for_size, state):
     several steps). One loop per size, all but the chosen one run zero steps: unlike
     `lax.switch`, loops carry the state in place (a conditional over the state would copy it).
 
-    `chunk_sizes` an int K (a step's work signature, `jaxkv.step.StepWork`): the caller expects
-    at most K entries, so the first K run as straight-line code, with no loop and nothing
-    hoisted out of one; a remainder (an estimate that was short) still runs, in a loop of
-    K-entry steps that is empty otherwise. K = 0: the caller expects no entry and the walk is
-    absent (the step reports entries it had, `jaxkv.step`).
+    `chunk_sizes` an int K (a step's work signature, `jaxkv.step.StepWork`): the caller knows
+    there are at most K entries, so they run as straight-line code, with no loop and nothing
+    hoisted out of one (K = 0: the walk is absent). Entries past K are not walked: the caller
+    counts them (`jaxkv.step` reports them as unplanned, and the manager raises).
     """
     if isinstance(chunk_sizes, int):
-        if chunk_sizes == 0:
-            return state
-        state = body_for_size(chunk_sizes)(0, state)
-        return lax.fori_loop(1, jnp.maximum(cdiv(total, chunk_sizes), 1), body_for_size(chunk_sizes), state)
+        return state if chunk_sizes == 0 else body_for_size(chunk_sizes)(0, state)
     choice = sum((total > size).astype(jnp.int32) for size in chunk_sizes[:-1])
     for i, size in enumerate(chunk_sizes):
         num_steps = jnp.where(choice == i, cdiv(total, size), 0)

@@ -11,8 +11,9 @@ absent from the compiled program. `StepWork`, static, is the step's work signatu
 over table entries, how many entries the host expects (its mirror of the counts tells it), so
 that a walk the step does not need is absent and a small one is straight-line code instead of a
 loop (`jaxkv.ranges.in_chunks`). Any signature gives the same state; `StepWork()` (every walk
-sized at run time) is the full program. A walk that a signature left out but the step had is
-reported in `StepResult.num_unplanned` (a bug in the caller's mirror; the manager raises).
+sized at run time) is the full program. Entries a signature did not plan for (a walk left out, or
+more than its bound) are not walked; they are reported in `StepResult.num_unplanned`, which must be 0
+(a caller whose mirror of the counts is wrong has a bug; the manager raises).
 
 With a prefix cache (`state.prefix`) the rows are vLLM's row-by-row outcome with hits claimed first:
 
@@ -198,9 +199,9 @@ jax.tree_util.register_dataclass(StepResult, data_fields=["ok", "num_free_blocks
                                  meta_fields=[])
 
 
-def _unplanned(bound, count):
-    """int32[]: the entries `count` of a walk whose signature left it out (bound 0), else 0."""
-    return jnp.sum(count, dtype=jnp.int32) if bound == 0 else jnp.int32(0)
+def _unplanned(walk, total):
+    """int32[]: entries of a walk of `total` int32[] entries past its signature's bound (an int walk)."""
+    return jnp.int32(0) if isinstance(walk, tuple) else jnp.maximum(total - walk, 0).astype(jnp.int32)
 
 
 # ---- phases --------------------------------------------------------------------------------------
@@ -225,8 +226,8 @@ def free_requests(state: ManagerState, batch: StepBatch, ctx: _Context):
     if state.prefix is None:
         state, ranges, num_blocks = _forget_rows(state, batch.free_slots, ctx.rules)
         return state, ranges, num_blocks, jnp.int32(0)
-    _, _, num_freed = _forget_rows(state, batch.free_slots, ctx.rules)  # its count only, for the check
-    unplanned = _unplanned(ctx.work.free, num_freed)
+    _, (count, _, _), _ = _forget_rows(state, batch.free_slots, ctx.rules)  # the entries only, for the check
+    unplanned = _unplanned(ctx.walk("free"), jnp.sum(count))
     return _free_cached(state, batch.free_slots, ctx.rules, ctx.prefix, ctx.walk("free")), None, 0, unplanned
 
 
@@ -289,9 +290,8 @@ def claim_hits(state: ManagerState, batch: StepBatch, rows: _Rows, ctx: _Context
     unplanned = jnp.int32(0)
     if batch.num_hit_tokens is not None:
         walk = ctx.walk("claim")
-        if walk == 0:
-            unplanned = _unplanned(0, claim_count)
-        else:
+        unplanned = _unplanned(walk, ps.walk_length(claim_start, claim_count, rules, ctx.prefix))
+        if walk != 0:
             state, num_found, num_taken_free = run_if(
                 jnp.any(hit_ok),
                 lambda carry: ps.claim_hits(carry[0], rows.slots, claim_start, claim_count, rules=rules,
@@ -369,12 +369,14 @@ def gate_rows(state: ManagerState, batch: StepBatch, rows: _Rows, num_free, ctx:
 
 def unclaim_failed(state: ManagerState, batch: StepBatch, rows: _Rows, ctx: _Context) -> ManagerState:
     """Failed rows give their claims back exactly."""
-    if batch.num_hit_tokens is None:
+    if batch.num_hit_tokens is None or ctx.work.claim == 0:  # no claim was made
         return state
+    # At most every claimed entry: K block-end units claim at most K entries per group.
+    walk = ctx.sizes if ctx.work.claim is None else ctx.work.claim * ctx.rules.num_groups
     unclaim_count = jnp.where(rows.ok[:, None], 0, rows.claim_count)
     state = run_if(jnp.any(unclaim_count > 0),
                    lambda state: ps.unclaim_hits(state, rows.slots, rows.claim_start, unclaim_count,
-                                                 chunk_sizes=ctx.sizes), state)
+                                                 chunk_sizes=walk), state)
     if ctx.partial_groups()[0].any():
         state = pt.unclaim_tails(state, rows.tail_src, rows.ok)
     return state
@@ -394,7 +396,7 @@ def release_behind_windows(state: ManagerState, rows: _Rows, freed_ranges, ctx: 
     if freed_ranges is not None:
         ranges = tuple(jnp.concatenate(parts) for parts in zip(freed_ranges, ranges))
     walk = ctx.walk("release")
-    unplanned = _unplanned(walk, ranges[0])
+    unplanned = _unplanned(walk, jnp.sum(ranges[0]))
     state = _release_ranges(state, ranges, walk, evict_from)
     # A failed hit row keeps its own (empty) table's first live index, not its claim's.
     new_first_live = jnp.where((rows.releasing | (rows.ok & rows.hit_ok))[:, None], rows.keep,
@@ -407,7 +409,7 @@ def take_blocks(state: ManagerState, rows: _Rows, ctx: _Context):
     """The ok rows' new table entries get blocks, in order; their counts advance. Returns (state, unplanned)."""
     count = jnp.where(rows.ok[:, None], rows.need, 0)
     walk = ctx.walk("take")
-    unplanned = _unplanned(walk, count)
+    unplanned = _unplanned(walk, jnp.sum(count))
     state = _fill_ranges(state, table_ranges(state.block_tables.shape, rows.slots, rows.first_new, count), walk)
     ok_slots = jnp.where(rows.ok, rows.slots, state.num_computed.shape[0])
     num_computed = state.num_computed.at[ok_slots].set((rows.n + rows.k)[:, 0], mode="drop")
@@ -443,7 +445,7 @@ def index_filled_blocks(state: ManagerState, batch: StepBatch, rows: _Rows, ctx:
     attention = rows.ok[:, None] & (rules.kind != MAMBA)
     cache_count = jnp.where(attention, jnp.maximum(full_blocks - cache_from, 0), 0)
     walk = ctx.walk("index")
-    unplanned = _unplanned(walk, cache_count)
+    unplanned = _unplanned(walk, ps.walk_length(cache_from, cache_count, rules, prefix))
     if walk != 0:
         state = ps.cache_full_blocks(state, rows.slots, cache_from, cache_count, rules=rules, prefix=prefix,
                                      chunk_sizes=walk)

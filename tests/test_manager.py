@@ -3,6 +3,7 @@
 Dimensions: R requests per call, G groups, M max blocks per request.
 """
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -276,3 +277,28 @@ def test_keys_appended_before_the_upload_go_once():
     keys = prompt_unit_hashes(list(range(121)) + list(range(200, 208)), 2)
     assert int(state.prefix.num_hashed_units[0]) == 64
     np.testing.assert_array_equal(np.asarray(state.prefix.req_hashes)[0, :64], keys)
+
+
+def test_state_lives_on_the_given_device():
+    device = jax.devices("cpu")[0]
+    mgr = KVCacheManager(CFG, max_num_seqs=3, device=device)
+    mgr.add_request("a", list(range(9)))
+    assert mgr.allocate_slots("a", 9)
+    assert {leaf.devices().pop() for leaf in jax.tree_util.tree_leaves(mgr.state)} == {device}
+    assert mgr.block_tables(["a"]).devices() == {device}
+    check_invariants(CFG, mgr.state)
+
+
+def test_batched_appends_hash_only_completed_units():
+    mgr = manager()
+    mgr.add_request("a", [1, 2, 3])  # unit 2: one unit hashed, one token pending
+    mgr.add_request("b", [4, 5])
+    mgr.append_token_ids_batch(["a", "b"], [[4], [6]])  # a completes unit 1; b has one token pending
+    assert mgr.num_tokens("a") == 4 and mgr.num_tokens("b") == 3
+    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["a"])[0]], prompt_unit_hashes([1, 2, 3, 4], 2))
+    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["b"])[0]], prompt_unit_hashes([4, 5], 2))
+    mgr.append_token_ids_batch(["b"], [[7, 8, 9]])
+    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["b"])[0]], prompt_unit_hashes([4, 5, 6, 7, 8, 9], 2))
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        mgr.append_token_ids_batch(["a"], [list(range(13))])
+    assert mgr.num_tokens("a") == 4  # nothing recorded
