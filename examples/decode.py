@@ -4,6 +4,10 @@
     python examples/decode.py --check         # also compare every logit with a dense forward pass
     python examples/decode.py --check --tp 4  # the same, the cache and kernels sharded over 4 devices
 
+    # The same over 2 processes of 2 CPU devices each (one command per process, same port):
+    python examples/decode.py --check --tp 4 --coordinator localhost:8476 --num-processes 2 --process-id 0
+    python examples/decode.py --check --tp 4 --coordinator localhost:8476 --num-processes 2 --process-id 1
+
 The prompts share a system prompt (prefix reuse), some are several windows long,
 and the pool is small enough that requests are preempted and resumed.
 """
@@ -31,17 +35,29 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true", help="compare with a dense forward pass; exit 1 on mismatch")
     p.add_argument("--tp", type=int, default=1, help="shard KV heads over this many devices")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="run as one of --num-processes JAX processes (jax.distributed.initialize) whose "
+                        "coordinator, process 0, listens at HOST:PORT; the --tp devices are split evenly "
+                        "among the processes")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.tp > 1 and "jax" not in sys.modules:
+    if args.tp % args.num_processes:
+        raise SystemExit(f"--tp {args.tp} must be a multiple of --num-processes {args.num_processes}")
+    local_devices = args.tp // args.num_processes
+    if local_devices > 1 and "jax" not in sys.modules:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tp}".strip()
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local_devices}".strip()
 
     import jax
+    if args.coordinator is not None:
+        from sharding import initialize_processes
+        initialize_processes(args.coordinator, args.num_processes, args.process_id)
     import numpy as np
     from flax import nnx
 
@@ -70,7 +86,10 @@ def main(argv=None) -> int:
     s = loop.stats
     digest = hashlib.sha256(repr([r.output for r in requests]).encode()).hexdigest()[:16]
     full = kv_cfg.all_full
-    print(f"devices: {args.tp} ({jax.default_backend()}), {len(requests)} requests, {s.tokens_generated} tokens "
+    where = jax.default_backend()
+    if jax.process_count() > 1:
+        where += f", process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} devices here"
+    print(f"devices: {args.tp} ({where}), {len(requests)} requests, {s.tokens_generated} tokens "
           f"generated in {s.seconds:.2f} s: {s.tokens_generated / s.seconds:.1f} tokens/s "
           f"({s.tokens_computed / s.seconds:.1f} tokens/s computed incl. prefill)")
     print(f"cache {tuple(loop.cache.shape)} sharded as {loop.cache.sharding.spec if args.tp > 1 else 'one device'}; "

@@ -34,7 +34,7 @@ import jaxkv
 from jaxkv import state as st
 from jaxkv.manager import KVCacheManager
 from model import Decoder, PagedStep, placements
-from sharding import cache_sharding
+from sharding import cache_sharding, out_shardings
 
 
 @dataclasses.dataclass
@@ -125,9 +125,12 @@ class ServingLoop:
         self.cache = jnp.zeros(spec.shape, spec.dtype, device=cache_sharding(mesh))
         graphdef, self.params = nnx.split(model)
         places = placements(model.cfg, kv_cfg)
-        self._model_step = jax.jit(functools.partial(_model_step, graphdef, places, mesh), donate_argnums=(1,))
-        self._decode_loop = jax.jit(functools.partial(_decode_loop, graphdef, places, mesh, kv_cfg, decode_steps),
-                                    donate_argnums=(1, 2))
+        self._model_step = jax.jit(  # -> logits, cache
+            functools.partial(_model_step, graphdef, places, mesh), donate_argnums=(1,),
+            **out_shardings(mesh, "replicated", "cache"))
+        self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits
+            functools.partial(_decode_loop, graphdef, places, mesh, kv_cfg, decode_steps), donate_argnums=(1, 2),
+            **out_shardings(mesh, "replicated", "cache", "replicated", "replicated", "replicated"))
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
     # ---- the loop ------------------------------------------------------------------------------

@@ -3,12 +3,15 @@
 The cache [B, L, K, N, C] is split over K; each device's kernels see only its
 heads (queries [T, N, H] split over N the same way, so query head j still reads
 KV head j // (N / K)). Block tables, slot mappings and the manager state are
-replicated: every device runs the same bookkeeping. Parameters are replicated
+replicated: every device runs the same bookkeeping, and every output the host reads
+(logits, sampled tokens, the state after an on-device loop) is replicated too. Parameters are replicated
 (the model is small); XLA shards the projections around the kernels as needed.
 
 On a multi-GPU host the same code runs with `jax.devices()` as they are; on a
 multi-host TPU pod (or several GPU hosts) call `jax.distributed.initialize()`
-in every process first, then build the mesh from all `jax.devices()`.
+in every process first (`initialize_processes`), then build the mesh from all
+`jax.devices()`: each process holds its devices' shards of the cache and runs
+the same program. examples/decode.py --coordinator does this on CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ HEADS = P(None, AXIS)  # [T, heads, ...] split over heads
 CACHE_HEADS = P(None, None, AXIS)  # [B, L, K, N, C] split over K
 
 
+def initialize_processes(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Joins this process to `num_processes` JAX processes; call before any other use of JAX.
+
+    On CPU the processes' devices talk through gloo's TCP collectives.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
 def model_mesh(num_devices: int) -> jax.sharding.Mesh:
     if jax.device_count() < num_devices:
         raise ValueError(f"{num_devices=} devices asked for, {jax.device_count()} present; on CPU set "
@@ -36,6 +48,19 @@ def model_mesh(num_devices: int) -> jax.sharding.Mesh:
 
 def cache_sharding(mesh: jax.sharding.Mesh | None):
     return None if mesh is None else NamedSharding(mesh, CACHE_HEADS)
+
+
+def out_shardings(mesh: jax.sharding.Mesh | None, *outputs: str) -> dict:
+    """jax.jit's `out_shardings=` for outputs that are each "cache" (split over KV heads) or
+    "replicated"; no argument without a mesh.
+
+    Stating them keeps every output the host reads replicated: with several processes a
+    process can read only what its own devices hold.
+    """
+    if mesh is None:
+        return {}
+    kinds = {"cache": NamedSharding(mesh, CACHE_HEADS), "replicated": NamedSharding(mesh, P())}
+    return dict(out_shardings=tuple(kinds[o] for o in outputs))
 
 
 def kernels(mesh: jax.sharding.Mesh | None):

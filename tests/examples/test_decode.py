@@ -1,49 +1,10 @@
-"""The example serving loop equals a dense, cache-free forward pass (examples/decode.py --check).
-
-Each run is a child process: the example's imports are relative to examples/ and the
-device count is fixed when JAX starts.
-"""
+"""The example serving loop equals a dense, cache-free forward pass (examples/decode.py --check)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-EXAMPLES = Path(__file__).parents[2] / "examples"
-# Tiny model (window 8, block 4), a pool small enough to preempt, a shared system prompt.
-TINY = ["--tiny", "--check", "--num-prompts", "8", "--max-prompt-len", "40", "--max-new-tokens", "16",
-        "--block-size", "4", "--num-blocks", "70", "--system-prompt-len", "12", "--max-num-batched-tokens", "16"]
-
-
-_COMPILATION_CACHE: list[str] = []  # one persistent compilation cache for the module's runs
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _shared_compilation_cache(tmp_path_factory):
-    """The runs share compiled programs (every allocation work signature compiles once, not once per run)."""
-    _COMPILATION_CACHE.append(str(tmp_path_factory.mktemp("jax-compilation-cache")))
-    yield
-    _COMPILATION_CACHE.clear()
-
-
-def run_decode(*extra: str, timeout: int = 600) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    if _COMPILATION_CACHE:
-        env["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE[0]
-    result = subprocess.run([sys.executable, str(EXAMPLES / "decode.py"), *TINY, *extra], env=env,
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    return result.stdout
-
-
-@pytest.fixture(scope="module")
-def one_device() -> str:
-    return run_decode()
+from decode_runs import DIGEST, run_decode
 
 
 def test_paged_loop_matches_dense_forward(one_device):
@@ -59,8 +20,7 @@ def test_sharded_over_four_devices_gives_the_same_tokens(one_device):
     sharded = run_decode("--tp", "4")
     assert "sharded as P(None, None, 'model')" in sharded
     assert re.search(r"; 0 mismatching requests", sharded)
-    digest = re.compile(r"generated tokens digest (\w+)")
-    assert digest.search(sharded).group(1) == digest.search(one_device).group(1)
+    assert DIGEST.search(sharded).group(1) == DIGEST.search(one_device).group(1)
 
 
 def test_pool_running_dry_inside_a_device_decode_loop_preempts():

@@ -21,20 +21,28 @@ from pallas_kernels.paged_scatter import paged_scatter
 S = jax.ShapeDtypeStruct
 
 
+# The devices the kernels are lowered for. Mosaic reads the chip's parameters
+# from the device, and jax >= 0.11's Triton lowering reads the GPU's compute
+# capability from it (jax 0.10 assumes 9.0 when no GPU is attached); an
+# abstract device stands in for each. An H100 is compute capability 9.0 with
+# 132 streaming multiprocessors.
+_ABSTRACT_DEVICES = {
+    "cuda": AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu"),
+    "tpu": AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
+}
+
+
 def _lower(fn, platform, *args, **kwargs) -> str:
   """The StableHLO text of `fn` lowered for `platform` ("cuda" or "tpu")."""
   backend = {"cuda": "triton", "tpu": "mosaic"}[platform]
-  traced = lambda: fn.trace(*args, **kwargs, backend=backend, interpret=False)
+  mesh = AbstractMesh(
+      (1,), ("x",), (AxisType.Explicit,), abstract_device=_ABSTRACT_DEVICES[platform]
+  )
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # No warning may escape, deprecations included.
-    if platform == "tpu":
-      # Mosaic reads the chip's parameters from the device; an abstract TPU
-      # device stands in for one.
-      device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-      mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-      with jax.sharding.use_abstract_mesh(mesh):
-        return traced().lower(lowering_platforms=("tpu",)).as_text()
-    return traced().lower(lowering_platforms=("cuda",)).as_text()
+    with jax.sharding.use_abstract_mesh(mesh):
+      traced = fn.trace(*args, **kwargs, backend=backend, interpret=False)
+      return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
 _KERNEL_CALL = {"cuda": re.compile(r"custom_call @\S*triton"), "tpu": re.compile(r"tpu_custom_call")}
