@@ -112,7 +112,8 @@ def _store_hashes(state, uploads):
 @functools.lru_cache(maxsize=None)
 def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
     """The transitions with `cfg` bound (not hashed per call), shared by managers of one config. The
-    allocation is compiled once per work signature (`step.StepWork`, static), at most MAX_VARIANTS kept."""
+    allocation is compiled once per work signature (`step.StepWork`, static); a manager uses at most
+    MAX_VARIANTS signatures."""
     allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg, prefix=prefix), static_argnames=("work",),
                        donate_argnames=("state",))
     free = jax.jit(functools.partial(st._free, cfg=cfg, prefix=prefix), donate_argnames=("state",))
