@@ -12,7 +12,7 @@ state with it after every step.
   ones release nothing), with all releases done before the takes.
 * free: per request, group by group, each group's blocks tail first.
 
-With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.step.allocate_step` with a prefix cache:
+With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.step.allocate_step` does:
 * a dict index (`IndexModel`); popping a cached block evicts it;
 * allocate: state blocks the rows' last step ended on are cached; hits are
   claimed tentatively in row order (a claimed block that was free, and not
