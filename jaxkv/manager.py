@@ -206,9 +206,11 @@ class KVCacheManager:
         """Registers a request and its prompt; takes a slot, no blocks.
 
         With prefix caching the prompt's full units are hashed here, unless `unit_hasher`
-        (a `jaxkv.hashing.UnitHasher` of this manager's unit that has taken exactly these
-        tokens, its salt included) brings them: hashing at request arrival, as vLLM does.
-        The manager extends it with the tokens `append_token_ids` records.
+        (a `jaxkv.hashing.UnitHasher` of this manager's unit that has taken these tokens or
+        the first of them, its salt included) brings them: hashing at request arrival, as vLLM
+        does; the manager hashes the rest. It extends the hasher with the tokens
+        `append_token_ids` records, as their units complete, so that a preempted request's
+        hasher may be passed again with its grown prompt.
         """
         if request_id in self._slot_of:
             raise ValueError(f"request {request_id!r} was already added; free it first or use a new id")
@@ -223,7 +225,7 @@ class KVCacheManager:
                 raise ValueError(f"unit_hasher hashes units of {unit_hasher.unit} tokens in mode "
                                  f"{unit_hasher.mode!r}; this manager uses {self.prefix_config.unit}, "
                                  f"{self.hash_mode!r}")
-            if unit_hasher.num_tokens != len(prompt_token_ids):
+            if unit_hasher.num_tokens > len(prompt_token_ids):
                 raise ValueError(f"unit_hasher has taken {unit_hasher.num_tokens} tokens, the prompt of request "
                                  f"{request_id!r} has {len(prompt_token_ids)}")
         if not self._free_slots:
@@ -246,8 +248,9 @@ class KVCacheManager:
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
                 self._keys[slot] = unit_hasher.extend(token_ids)
-            else:
-                self._keys[slot] = digests_to_keys(unit_hasher.digests)
+            else:  # it may not have taken the last tokens yet (a manager hashes only completed units)
+                self._keys[slot] = np.concatenate([digests_to_keys(unit_hasher.digests),
+                                                   unit_hasher.extend(token_ids[unit_hasher.num_tokens:])])
             self._hashers[slot] = unit_hasher
             self._num_keys[slot] = len(self._keys[slot])
             self._num_hashed_tokens[slot] = len(token_ids)

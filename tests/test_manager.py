@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv import KVCacheManager
+from jaxkv import KVCacheManager, UnitHasher
 from jaxkv.hashing import prompt_unit_hashes
 from jaxkv.invariants import check_invariants
 from jaxkv.specs import NULL_BLOCK
@@ -302,3 +302,22 @@ def test_batched_appends_hash_only_completed_units():
     with pytest.raises(ValueError, match="more than max_model_len"):
         mgr.append_token_ids_batch(["a"], [list(range(13))])
     assert mgr.num_tokens("a") == 4  # nothing recorded
+
+
+def test_a_preempted_requests_hasher_comes_back_with_its_grown_prompt():
+    # The serving loop hashes at arrival and passes its hasher; the manager extends it only by completed
+    # units (unit 2), so after an odd number of appends it holds one token less than the grown prompt.
+    mgr = manager()
+    hasher = UnitHasher(mgr.prefix_config.unit)
+    hasher.extend([1, 2, 3, 4])
+    mgr.add_request("a", [1, 2, 3, 4], unit_hasher=hasher)
+    assert mgr.allocate_slots("a", 4)
+    mgr.append_token_ids("a", [5])
+    assert hasher.num_tokens == 4
+    mgr.free("a")  # preempted: comes back with its 5 tokens as the prompt
+    mgr.add_request("a", [1, 2, 3, 4, 5], unit_hasher=hasher)
+    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["a"])[0]], prompt_unit_hashes([1, 2, 3, 4, 5], 2))
+    assert hasher.num_tokens == 5
+    assert mgr.get_computed_tokens("a") == 4
+    with pytest.raises(ValueError, match="unit_hasher has taken 5 tokens, the prompt of request 'b' has 4"):
+        mgr.add_request("b", [1, 2, 3, 4], unit_hasher=hasher)
