@@ -63,7 +63,11 @@ UPLOAD_ROWS = 1024  # unit keys carried by one allocation; more are stored in th
 RELEASE_ROWS = 64  # taken block copies released by one allocation; more wait for the next
 _MIN_KEY_WIDTH = 64  # lookups pass keys padded to 64, 256, 1024, ... units
 _WALK_SIZES = (512,)  # a step's walks are compiled for at most this many entries, or sized at run time
-MAX_VARIANTS = 64  # allocation programs (work signatures) one manager compiles; later ones run the full program
+# Specialised allocation programs (work signature × row count × frees or not) compiled per config and
+# process; later signatures run the full program. XLA:CPU maps each compiled kernel into memory apart: one
+# specialised program of a 7-group config takes about 1,000 of the 65,530 memory maps Linux gives a
+# process by default (vm.max_map_count), the full program about 3,000, and a process past the limit crashes.
+MAX_PROGRAMS = 24
 
 
 def _walk_size(num_entries: int) -> int | None:
@@ -111,16 +115,16 @@ def _store_hashes(state, uploads):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
-    """The transitions with `cfg` bound (not hashed per call), shared by managers of one config. The
-    allocation is compiled once per work signature (`step.StepWork`, static); a manager uses at most
-    MAX_VARIANTS signatures."""
+    """The transitions with `cfg` bound (not hashed per call), shared by managers of one config, and the
+    set of specialised allocation programs compiled. The allocation is compiled once per work signature
+    (`step.StepWork`, static) and shape; at most MAX_PROGRAMS specialised ones."""
     allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg, prefix=prefix), static_argnames=("work",),
                        donate_argnames=("state",))
     free = jax.jit(functools.partial(st._free, cfg=cfg, prefix=prefix), donate_argnames=("state",))
     lookup = jax.jit(functools.partial(_lookup_packed, cfg=cfg, prefix=prefix))
     store = jax.jit(_store_hashes, donate_argnames=("state",))
     set_counts = jax.jit(_set_counts, donate_argnames=("state",))
-    return allocate, free, lookup, store, set_counts
+    return allocate, free, lookup, store, set_counts, set()
 
 
 class KVCacheManager:
@@ -135,7 +139,8 @@ class KVCacheManager:
     work its step has (`jaxkv.step.StepWork`), with only the rows that have block work; rows
     that only advance their count are counted on the host, and a step without block work makes
     no dispatch. False: every step runs the full program with every row (same outcome; for
-    tests and comparisons). `step_variants` counts the steps of each signature.
+    tests and comparisons). `step_variants` counts the steps of each signature; at most
+    MAX_PROGRAMS specialised programs are compiled per config (later steps run the full program).
 
     `device`: where the state lives (default: JAX's default device). On a GPU/TPU host the
     state can live on the host's CPU backend (`jax.devices("cpu")[0]`): each step's bookkeeping
@@ -166,8 +171,8 @@ class KVCacheManager:
         self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
         if device is not None:
             self._state = jax.device_put(self._state, device)
-        self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn = _jitted(
-            cfg, self.prefix_config)
+        (self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn,
+         self._programs) = _jitted(cfg, self.prefix_config)
         self._tails = self.prefix_config is not None and bool(partial_groups(cfg, self.prefix_config))
         self._num_prompt = np.zeros(self.max_num_seqs, np.int64)
         self._copies: list[np.ndarray] = []  # block copies not taken yet: int32[., 3]
@@ -395,6 +400,13 @@ class KVCacheManager:
             return np.ones(len(slots), bool)
         sel_slots = slots[work_rows]
         num_rows = self._num_rows(len(sel_slots))
+        if work != StepWork() and (work, num_rows, bool(self._pending_free)) not in self._programs:
+            if len(self._programs) < MAX_PROGRAMS:
+                self._programs.add((work, num_rows, bool(self._pending_free)))
+            else:
+                work = StepWork()  # the full program: every walk sized at run time
+        self.step_variants[work] = self.step_variants.get(work, 0) + 1
+        self.last_work = work
         # slots, new tokens, full tokens, hit tokens, shared tokens (padding: slot S, 0, 0, 0, 0); prompt tokens
         # (hits inside blocks)
         rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
@@ -462,30 +474,33 @@ class KVCacheManager:
             return StepWork(), all_rows
         rules = self._rules
         hit = hits > 0
-        n = np.where(hit, hits, num_computed)[:, None]
-        claim_start = st.keep_from_idx(hits[:, None], rules, xp=np)
-        first_live = np.where(hit[:, None], claim_start, self._first_live[slots])
+        any_hit = bool(hit.any())
+        n, first_live = num_computed[:, None], self._first_live[slots]
+        if any_hit:  # a hit row starts from its claim
+            claim_start = st.keep_from_idx(hits[:, None], rules, xp=np)
+            n, first_live = np.where(hit, hits, num_computed)[:, None], np.where(hit[:, None], claim_start, first_live)
         _, num_released, _, need = st.allocation_ranges(n, num_new[:, None], first_live, rules, xp=np)
-        work = dict(take=need.sum(), release=num_released.sum())
-        has_work = (need.sum(axis=1) > 0) | (num_released.sum(axis=1) > 0) | hit | (full > 0)
+        need_rows, released_rows = need.sum(axis=1), num_released.sum(axis=1)
+        work = dict(take=need_rows.sum(), release=released_rows.sum())
+        has_work = (need_rows > 0) | (released_rows > 0) | hit | (full > 0)
         if self.prefix_config is not None:
             unit = self.prefix_config.unit
             units_per_block = rules.block_size // unit
-            claim_count = np.where(hit[:, None], hits[:, None] // rules.block_size - claim_start, 0)
-            cache_from = np.where(hit[:, None], hits[:, None] // rules.block_size, self._num_cached[slots])
+            cache_from = self._num_cached[slots]
+            work.update(free=self._pending_free_entries, claim=0)
+            if any_hit:
+                claim_count = np.where(hit[:, None], hits[:, None] // rules.block_size - claim_start, 0)
+                cache_from = np.where(hit[:, None], hits[:, None] // rules.block_size, cache_from)
+                work["claim"] = walk_units(claim_start, claim_count, units_per_block)
             hashed_len = self._num_keys[slots][:, None] * unit  # every key is on the device after the step
             full_blocks = np.minimum(n + num_new[:, None], hashed_len) // rules.block_size
             cache_count = np.where(rules.kind != st.MAMBA, np.maximum(full_blocks - cache_from, 0), 0)
-            has_work |= cache_count.sum(axis=1) > 0
-            work.update(free=self._pending_free_entries, claim=walk_units(claim_start, claim_count, units_per_block),
-                        index=walk_units(cache_from, cache_count, units_per_block))
+            cache_rows = cache_count.sum(axis=1)
+            has_work |= cache_rows > 0
+            work["index"] = walk_units(cache_from[cache_rows > 0], cache_count[cache_rows > 0], units_per_block)
         else:
             work["release"] += self._pending_free_entries
         work = StepWork(**{name: _walk_size(int(total)) for name, total in work.items()})
-        if work not in self.step_variants and len(self.step_variants) >= MAX_VARIANTS:
-            work = StepWork()  # the full program: every walk sized at run time
-        self.step_variants[work] = self.step_variants.get(work, 0) + 1
-        self.last_work = work
         return work, all_rows if self._has_state_groups else np.flatnonzero(has_work)
 
     def _device_counts(self) -> np.ndarray:
@@ -734,8 +749,9 @@ class KVCacheManager:
         """Compiles the shapes the manager dispatches (calls that change nothing), so that no step of a
         serving loop waits for a compilation: the full program (`StepWork()`, which serves any step) and
         the work signatures `variants` (e.g. a previous run's `step_variants`), for every row count and
-        with and without pending frees. Other signatures compile on first use (set JAX's persistent
-        compilation cache to keep them across runs). Lookups compile per key width on first use."""
+        with and without pending frees, as far as MAX_PROGRAMS allows. Other signatures compile on first
+        use (set JAX's persistent compilation cache to keep them across runs). Lookups compile per key
+        width on first use."""
         uploads = None
         if self.prefix_config is not None:
             uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
@@ -746,6 +762,11 @@ class KVCacheManager:
                 rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
                 rows[0] = self.max_num_seqs  # padding rows only
                 for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
+                    program = (work, num_rows, free_slots is not None)
+                    if work != StepWork() and program not in self._programs:
+                        if len(self._programs) >= MAX_PROGRAMS:
+                            continue
+                        self._programs.add(program)
                     self._state, _ = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
                                                        released, work=work)
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):

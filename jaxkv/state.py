@@ -93,13 +93,22 @@ jax.tree_util.register_dataclass(AllocateResult, data_fields=["ok", "num_free_bl
 
 @dataclasses.dataclass(frozen=True)
 class GroupRules:
-    """Static per-group constants, int32[G] numpy arrays (window/chunk are 1 where unused)."""
+    """Static per-group constants, int32[G] numpy arrays (window/chunk are 1 where unused).
+
+    keep_*: `keep_from_idx` in one formula for every kind, max(n + offset, 0) // unit · scale // div:
+    sliding window (1 − window, block, 1, 1), chunked (0, chunk, chunk, block), state (−1, block, 1, 1),
+    full attention (0, 1, 0, 1).
+    """
 
     block_size: np.ndarray
     kind: np.ndarray
     window: np.ndarray
     chunk: np.ndarray
     max_blocks: np.ndarray  # blocks one request may hold (vLLM's admission cap)
+    keep_offset: np.ndarray
+    keep_unit: np.ndarray
+    keep_scale: np.ndarray
+    keep_div: np.ndarray
 
     @property
     def num_groups(self) -> int:
@@ -112,14 +121,20 @@ def group_rules(cfg: KVCacheConfig) -> GroupRules:
         return np.asarray(values, np.int32)
 
     groups = cfg.groups
+    block_size = column([g.block_size for g in groups])
+    kind = column([_KIND_CODES[g.kind] for g in groups])
+    window = column([g.spec.sliding_window if g.kind == "sliding_window" else 1 for g in groups])
+    chunk = column([g.spec.attention_chunk_size if g.kind == "chunked_local" else 1 for g in groups])
+    chunked, full = kind == CHUNKED_LOCAL, kind == FULL
     return GroupRules(
-        block_size=column([g.block_size for g in groups]),
-        kind=column([_KIND_CODES[g.kind] for g in groups]),
-        window=column([g.spec.sliding_window if g.kind == "sliding_window" else 1 for g in groups]),
-        chunk=column([g.spec.attention_chunk_size if g.kind == "chunked_local" else 1 for g in groups]),
+        block_size=block_size, kind=kind, window=window, chunk=chunk,
         max_blocks=column(
             [g.spec.blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens) for g in groups]
         ),
+        keep_offset=np.where(kind == SLIDING_WINDOW, 1 - window, np.where(kind == MAMBA, -1, 0)).astype(np.int32),
+        keep_unit=np.where(chunked, chunk, np.where(full, 1, block_size)).astype(np.int32),
+        keep_scale=np.where(chunked, chunk, np.where(full, 0, 1)).astype(np.int32),
+        keep_div=np.where(chunked, block_size, 1).astype(np.int32),
     )
 
 
@@ -165,19 +180,10 @@ def keep_from_idx(num_computed, rules: GroupRules, xp=jnp):
     """int[R, G]: the first logical index each group still needs after `num_computed` [R, 1] tokens.
 
     `xp` is jax.numpy on device or numpy on the host (the manager mirrors the counts).
-    Only the kinds present in the config are computed.
+    Sliding window: past the window; chunked: before the current chunk; state: the last
+    token's block; full attention: 0 (`GroupRules` holds the one formula's constants).
     """
-    n, bs = num_computed, rules.block_size
-    rule_of_kind = {
-        SLIDING_WINDOW: lambda: xp.maximum(n - rules.window + 1, 0) // bs,
-        CHUNKED_LOCAL: lambda: (n // rules.chunk) * rules.chunk // bs,
-        MAMBA: lambda: xp.maximum(n - 1, 0) // bs,
-    }
-    keep = xp.zeros_like(n + bs)
-    for kind, rule in rule_of_kind.items():
-        if (rules.kind == kind).any():
-            keep = xp.where(rules.kind == kind, rule(), keep)
-    return keep
+    return xp.maximum(num_computed + rules.keep_offset, 0) // rules.keep_unit * rules.keep_scale // rules.keep_div
 
 
 def allocation_ranges(num_computed, num_new_tokens, first_live, rules: GroupRules, xp=jnp):

@@ -480,25 +480,36 @@ def allocate_step(state: ManagerState, batch: StepBatch, *, cfg: KVCacheConfig,
         prefix = None
     ctx = _Context(rules=rules, prefix=prefix, sizes=chunk_sizes or default_chunk_sizes(cfg, batch.req_slots.shape[0]),
                    work=work)
-    state = sync_counts(state, batch)
-    state = state if batch.released_copies is None else pt.release_copies(state, batch.released_copies)
-    state, freed_ranges, num_freed_by_frees, unplanned_free = free_requests(state, batch, ctx)
-    state = store_keys(state, batch, ctx)
-    rows = view_rows(state, batch)
-    state, copies = register_finished_states(state, rows, ctx)
+    with jax.named_scope("sync_counts"):
+        state = sync_counts(state, batch)
+        state = state if batch.released_copies is None else pt.release_copies(state, batch.released_copies)
+    with jax.named_scope("free_requests"):
+        state, freed_ranges, num_freed_by_frees, unplanned_free = free_requests(state, batch, ctx)
+    with jax.named_scope("store_keys"):
+        state = store_keys(state, batch, ctx)
+        rows = view_rows(state, batch)
+    with jax.named_scope("register_finished_states"):
+        state, copies = register_finished_states(state, rows, ctx)
     num_free = state.pool.num_free_blocks + num_freed_by_frees
-    state, rows, unplanned_claim = claim_hits(state, batch, rows, ctx)
-    rows = gate_rows(state, batch, rows, num_free, ctx)
-    state = unclaim_failed(state, batch, rows, ctx)
-    state, unplanned_release = release_behind_windows(state, rows, freed_ranges, ctx)
-    state, unplanned_take = take_blocks(state, rows, ctx)
+    with jax.named_scope("claim_hits"):
+        state, rows, unplanned_claim = claim_hits(state, batch, rows, ctx)
+    with jax.named_scope("gate_rows"):
+        rows = gate_rows(state, batch, rows, num_free, ctx)
+    with jax.named_scope("unclaim_failed"):
+        state = unclaim_failed(state, batch, rows, ctx)
+    with jax.named_scope("release_behind_windows"):
+        state, unplanned_release = release_behind_windows(state, rows, freed_ranges, ctx)
+    with jax.named_scope("take_blocks"):
+        state, unplanned_take = take_blocks(state, rows, ctx)
     num_cached = jnp.zeros_like(rows.first_live)
     num_hit = jnp.int32(0)
     unplanned_index = jnp.int32(0)
     if state.prefix is not None:
-        state, tail_copies = place_tails(state, rows, ctx)
+        with jax.named_scope("place_tails"):
+            state, tail_copies = place_tails(state, rows, ctx)
         copies = copies + tail_copies
-        state, unplanned_index = index_filled_blocks(state, batch, rows, ctx)
+        with jax.named_scope("index_filled_blocks"):
+            state, unplanned_index = index_filled_blocks(state, batch, rows, ctx)
         num_cached = state.prefix.num_cached_blocks[:, rows.slots].T
         num_hit = jnp.sum(jnp.where(rows.ok & rows.hit_ok, rows.hit_len[:, 0], 0))
     return state, StepResult(

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from jaxkv import KVCacheManager
 from jaxkv.invariants import check_invariants
+from jaxkv import manager as manager_module
 from jaxkv.manager import _walk_size
 from jaxkv.step import StepWork
 from test_state import chunked, full, make_cfg, mamba, sliding
@@ -119,3 +120,23 @@ def test_a_step_without_block_work_makes_no_dispatch():
     assert mgr._state is state_before and mgr.num_computed_tokens("a") == 6
     assert int(mgr.state.num_computed[mgr.slots_of(["a"])[0]]) == 6  # a read writes the count first
     check_invariants(cfg, mgr.state)
+
+
+def test_steps_past_the_program_bound_run_the_full_program(monkeypatch):
+    # A config of its own (its program set is fresh); a bound of one specialised program: the second
+    # signature runs StepWork(), with the same outcome as the full manager.
+    cfg = make_cfg(20, full(2), sliding(2, 4), max_model_len=20, max_num_batched_tokens=8)
+    monkeypatch.setattr(manager_module, "MAX_PROGRAMS", 1)
+    lean = KVCacheManager(cfg, max_num_seqs=2)
+    whole = KVCacheManager(cfg, max_num_seqs=2, specialize_steps=False)
+    for mgr in (lean, whole):
+        mgr.add_request("a", [1, 2, 3, 4, 5])
+        assert mgr.allocate_slots("a", 5)  # takes blocks, indexes two: a first signature
+    assert lean.last_work not in (None, StepWork())
+    for mgr in (lean, whole):
+        mgr.add_request("b", [1, 2, 3, 4, 5, 6, 7])
+        hit = mgr.get_computed_tokens("b")
+        assert hit == 4 and mgr.allocate_slots("b", 3, num_new_computed_tokens=hit)  # claims: another one
+    assert lean.last_work == StepWork() and len(lean._programs) == 1
+    _assert_same(lean, whole)
+    check_invariants(cfg, lean.state, lean.prefix_config)
