@@ -309,6 +309,7 @@ def replay(args, workload: dict, trace=None) -> dict:
         "mean_us_per_call": {k: call_us[k] / calls[k] if calls[k] else 0.0 for k in call_us},
         "compile_s": compile_s,
         "step_variants": len(mgr.step_variants),
+        "steps_by_variant": {str(work): count for work, count in mgr.step_variants.items()},
         "prefix_hit_tokens": hit_tokens,
         "prefix_stats": mgr.prefix_stats,
         "prompt_hash_s": hash_s,
