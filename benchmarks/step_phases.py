@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""Where a serving step's allocation time goes: per work signature, the HLO ops and µs of each phase.
+"""Where a serving step's allocation time goes: per program, the thunks and µs of each phase.
 
 Replays the first requests of a workload (as benchmarks/serving_workload.py, prefix caching on)
-once untimed, then once under `jax.profiler`, with XLA dumping each compiled program's HLO. Every
-thunk XLA:CPU runs is named in the trace; its HLO instruction carries the phase (`jax.named_scope`
-in `jaxkv.step.allocate_step`) in its metadata. Per program (work signature `jaxkv.step.StepWork`,
-rows R, and whether pending frees ride along: the common step kinds), prints how many steps ran it, the µs of the whole call (`allocate_slots_batch`),
-of the jitted function (dispatch and run) and of its thunks, and per phase the thunks' µs per call
-and the ops (thunks) it runs. Thunk µs are summed over XLA's threads (CPU time, not wall time).
+once untimed, then once under `jax.profiler` (its Python tracer off). Every thunk XLA:CPU runs is
+named in the trace; the program's compiled HLO text gives each thunk's instruction, whose metadata
+carries its phase (`jax.named_scope` in `jaxkv.step.allocate_step`). Per program (work signature
+`jaxkv.step.StepWork`, rows R, and whether pending frees ride along: the common step kinds), prints
+how many steps ran it, the µs of the whole call (`allocate_slots_batch`), of the jitted call
+(dispatch and run) and of its thunks, and per phase the thunks' µs per call and how many ran. A
+loop's thunk counts only its own time (its body's thunks are events of their own). Thunk µs are
+summed over XLA's threads (CPU time, not wall time). Run it without JAX's persistent compilation
+cache: a cached executable may carry an older program's metadata.
 
-    python benchmarks/step_phases.py --workload /tmp/workload.json --num-requests 256 --json
+The compiled text is compiled again here, so keep --max-programs well under MAX_PROGRAMS: each
+program's kernels take memory maps (see `jaxkv.manager.MAX_PROGRAMS`).
+
+    python benchmarks/step_phases.py --workload /tmp/workload.json --num-requests 200 --max-programs 12 --json
 """
 
 from __future__ import annotations
