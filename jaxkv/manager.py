@@ -400,11 +400,7 @@ class KVCacheManager:
             return np.ones(len(slots), bool)
         sel_slots = slots[work_rows]
         num_rows = self._num_rows(len(sel_slots))
-        if work != StepWork() and (work, num_rows, bool(self._pending_free)) not in self._programs:
-            if len(self._programs) < MAX_PROGRAMS:
-                self._programs.add((work, num_rows, bool(self._pending_free)))
-            else:
-                work = StepWork()  # the full program: every walk sized at run time
+        work = self._program_work(work, num_rows, bool(self._pending_free))
         self.step_variants[work] = self.step_variants.get(work, 0) + 1
         self.last_work = work
         # slots, new tokens, full tokens, hit tokens, shared tokens (padding: slot S, 0, 0, 0, 0); prompt tokens
@@ -502,6 +498,16 @@ class KVCacheManager:
             work["release"] += self._pending_free_entries
         work = StepWork(**{name: _walk_size(int(total)) for name, total in work.items()})
         return work, all_rows if self._has_state_groups else np.flatnonzero(has_work)
+
+    def _program_work(self, work: StepWork, num_rows: int, frees: bool) -> StepWork:
+        """`work`, or the full program `StepWork()` if its program is new and MAX_PROGRAMS are compiled."""
+        program = (work, num_rows, frees)
+        if work == StepWork() or program in self._programs:
+            return work
+        if len(self._programs) >= MAX_PROGRAMS:
+            return StepWork()  # every walk sized at run time
+        self._programs.add(program)
+        return work
 
     def _device_counts(self) -> np.ndarray:
         """int32[S]: every slot's count as the device should hold it (pending frees: the freed count)."""
@@ -762,11 +768,8 @@ class KVCacheManager:
                 rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
                 rows[0] = self.max_num_seqs  # padding rows only
                 for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
-                    program = (work, num_rows, free_slots is not None)
-                    if work != StepWork() and program not in self._programs:
-                        if len(self._programs) >= MAX_PROGRAMS:
-                            continue
-                        self._programs.add(program)
+                    if self._program_work(work, num_rows, free_slots is not None) != work:
+                        continue
                     self._state, _ = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
                                                        released, work=work)
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
