@@ -6,9 +6,10 @@ M max blocks per request, B blocks.
 
 The dense pass (`forward_dense`) attends with explicit causal and sliding-window
 masks and no cache: it is the ground truth. The paged pass (`forward_paged`)
-writes each layer's K/V with `paged_scatter` into the block-outer cache at its
-KV cache group and reads it with `paged_attention` through that group's block
-table: the cache is threaded as data, `logits, cache = model.forward_paged(...)`.
+gives each layer's K/V to `jaxkv.attend` with the step's `jaxkv.StepMetadata`: it
+writes them into the block-outer cache at the layer's KV cache group and attends
+through that group's block table, with the window of the layer's spec in the plan.
+The cache is threaded as data, `logits, cache = model.forward_paged(...)`.
 """
 
 from __future__ import annotations
@@ -64,28 +65,6 @@ class ModelConfig:
         }
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LayerPlacement:
-    """Where a layer's KV lives: its group (block table, slot mapping) and its layer slot in the cache."""
-
-    group_idx: int
-    layer_idx: int
-
-
-def placements(model_cfg: ModelConfig, kv_cfg: jaxkv.KVCacheConfig) -> tuple[LayerPlacement, ...]:
-    """Per model layer: its KV cache group and its layer index in the typed block-outer cache.
-
-    Layer j of every group shares layer slot j at disjoint block ids (DESIGN.md, "buffer").
-    """
-    if not jaxkv.is_typed(kv_cfg):
-        raise ValueError("the example model needs a typed cache (every layer the same page shape)")
-    out = []
-    for i in range(model_cfg.num_layers):
-        tensor_idx, layer_idx = jaxkv.find_layer(kv_cfg, model_cfg.layer_name(i))
-        out.append(LayerPlacement(group_idx=kv_cfg.tensors[tensor_idx].group_idx, layer_idx=layer_idx))
-    return tuple(out)
-
-
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
     """x [T, N, H], positions [T] -> x rotated by position (half-split RoPE)."""
     half = x.shape[-1] // 2
@@ -99,6 +78,7 @@ def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.name = cfg.layer_name(layer_idx)  # the layer's name in the plan
         self.window = None if cfg.is_global(layer_idx) else cfg.sliding_window
         self.base = cfg.global_base_frequency if cfg.is_global(layer_idx) else cfg.local_base_frequency
         d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -134,17 +114,11 @@ class Attention(nnx.Module):
         attn = jnp.einsum("KGST,TKH->SKGH", probs, v).reshape(s, -1)
         return self.out(attn)
 
-    def paged(self, x, positions, cache, place: LayerPlacement, step: "PagedStep", mesh=None):
+    def paged(self, x, cache, meta: jaxkv.StepMetadata, mesh=None):
         """x [T, D], cache [B, L, K, N, 2H] -> ([T, D], cache'): write this step's K/V, attend over the cache."""
-        cfg = self.cfg
-        q, k, v = self.project(x, positions)
-        rows = jnp.concatenate([k, v], axis=-1).astype(cache.dtype)  # [T, K, 2H]
-        scatter, attention = kernels(mesh)
-        cache = scatter(cache, rows, step.slot_mapping[place.group_idx], place.layer_idx)
-        attn = attention(
-            q.astype(cache.dtype), cache, step.query_start_loc, step.seq_lens, step.block_tables[place.group_idx],
-            place.layer_idx, sliding_window=self.window, sm_scale=cfg.head_dim**-0.5,
-        )
+        q, k, v = self.project(x, meta.positions)
+        attn, cache = jaxkv.attend(q, k, v, cache, meta, layer=self.name, sm_scale=self.cfg.head_dim**-0.5,
+                                   kernels=kernels(mesh))
         return self.out(attn.reshape(x.shape[0], -1)), cache
 
 
@@ -171,25 +145,6 @@ class Block(nnx.Module):
         return x + self.post_ffw_norm(self.ffw(self.pre_ffw_norm(x)))
 
 
-@dataclasses.dataclass(frozen=True)
-class PagedStep:
-    """One step's paging inputs, from the manager.
-
-    slot_mapping [G, T] (−1 for padding tokens), block_tables [G, R, M],
-    seq_lens [R] (tokens of each request after this step), query_start_loc [R + 1].
-    """
-
-    slot_mapping: jax.Array
-    block_tables: jax.Array
-    seq_lens: jax.Array
-    query_start_loc: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    PagedStep, data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc"], meta_fields=[]
-)
-
-
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -208,13 +163,13 @@ class Decoder(nnx.Module):
             x = block.mlp(x)
         return self.logits(x)
 
-    def forward_paged(self, tokens, positions, cache, places, step: PagedStep, mesh=None):
-        """tokens [T], positions [T], cache [B, L, K, N, 2H] -> (logits [T, V], cache').
+    def forward_paged(self, tokens, cache, meta: jaxkv.StepMetadata, mesh=None):
+        """tokens [T] (packed as `meta` packs them), cache [B, L, K, N, 2H] -> (logits [T, V], cache').
 
         With a `mesh`, the cache is sharded over KV heads and the kernels run per shard.
         """
         x = self.embed(tokens) * self.cfg.embed_dim**0.5
-        for block, place in zip(self.blocks, places):
-            h, cache = block.attn.paged(block.pre_attn_norm(x), positions, cache, place, step, mesh)
+        for block in self.blocks:
+            h, cache = block.attn.paged(block.pre_attn_norm(x), cache, meta, mesh)
             x = block.mlp(x + block.post_attn_norm(h))
         return self.logits(x), cache

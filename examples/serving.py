@@ -10,12 +10,14 @@ One engine step, on the host (the scheduler of ../shared/workloads/serving-workl
      preempted (freed; it resumes later by recomputing, helped by the prefix cache);
   2. if nothing was preempted, waiting requests are admitted with their
      prefix-cache hit claimed;
-  3. one jitted model step writes the new K/V (`paged_scatter`) and attends
-     (`paged_attention`) through each group's block table, and the requests
-     whose tokens are all computed sample their next token (greedy).
+  3. one jitted model step takes the step's `jaxkv.StepMetadata` (`mgr.step_metadata`):
+     each layer's `jaxkv.attend` writes the new K/V and attends through its group's
+     block table, and the requests whose tokens are all computed sample their next
+     token (greedy).
 When every running request is decoding and nobody waits, `decode_steps`
 decode steps run in one jitted `lax.scan`, allocation included: the
-manager's pure transitions run on the device between model steps.
+manager's pure transitions run on the device between model steps, and
+`jaxkv.step_metadata` gives each step's metadata from the state.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from flax import nnx
 import jaxkv
 from jaxkv import state as st
 from jaxkv.manager import KVCacheManager
-from model import Decoder, PagedStep, placements
+from model import Decoder
 from sharding import cache_sharding, out_shardings
 
 
@@ -69,37 +71,32 @@ class Stats:
     seconds: float = 0.0
 
 
-def _model_step(graphdef, places, mesh, params, cache, tokens, positions, step: PagedStep):
+def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata):
     model = nnx.merge(graphdef, params)
-    return model.forward_paged(tokens, positions, cache, places, step, mesh)
+    return model.forward_paged(tokens, cache, meta, mesh)
 
 
-def _decode_loop(graphdef, places, mesh, kv_cfg, num_steps, params, cache, state, req_slots, next_token, remaining):
+def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_slots, next_token, remaining):
     """N decode steps on device: allocate one token per row, write and attend, sample; repeat.
 
     req_slots int32[R] (S = padding), next_token int32[R] (the token each row computes next),
     remaining int32[R] (tokens each row may still produce). Returns the state, the cache,
     produced bool[N, R], tokens int32[N, R] and logits float32[N, R, V].
     """
-    rules = st.group_rules(kv_cfg)
-    num_groups, num_slots, _ = state.block_tables.shape
-    row = req_slots < num_slots
-    slots = jnp.where(row, req_slots, 0)
-    bs = jnp.asarray(rules.block_size)[:, None]  # [G, 1]
-    query_start_loc = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(row.astype(jnp.int32))])
+    row = req_slots < state.num_computed.shape[0]
 
     def step(carry, s):
         state, cache, token = carry
         wanted = row & (s < remaining)
         state, result = st.allocate(state, req_slots, wanted.astype(jnp.int32), cfg=kv_cfg)
         produced = result.ok & wanted
-        seq_lens = jnp.where(row, state.num_computed[slots], 0)
-        pos = jnp.maximum(seq_lens - 1, 0)
-        block = state.block_tables[jnp.arange(num_groups)[:, None], slots[None, :], pos[None, :] // bs]
-        slot_mapping = jnp.where(produced[None, :], block * bs + pos[None, :] % bs, -1)
-        paged = PagedStep(slot_mapping=slot_mapping, block_tables=st.block_tables(state, req_slots),
-                          seq_lens=seq_lens, query_start_loc=query_start_loc)
-        logits, cache = _model_step(graphdef, places, mesh, params, cache, token, pos, paged)
+        meta = jaxkv.step_metadata(state, req_slots, produced.astype(jnp.int32), cfg=kv_cfg,
+                                   num_tokens=req_slots.shape[0])
+        # The producing rows' tokens, packed in row order as `meta` packs them; row r's logits sit at
+        # its first token.
+        packed = token[jnp.argsort(~produced, stable=True)]
+        logits, cache = _model_step(graphdef, mesh, params, cache, packed, meta)
+        logits = logits[meta.query_start_loc[:-1]]
         token = jnp.where(produced, jnp.argmax(logits, axis=-1).astype(jnp.int32), token)
         return (state, cache, token), (produced, token, logits)
 
@@ -120,16 +117,17 @@ class ServingLoop:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_steps = decode_steps
         self.record_logits = record_logits
+        if not jaxkv.is_typed(kv_cfg):
+            raise ValueError("the example model needs a typed cache (every layer the same page shape)")
         self.mgr = KVCacheManager(kv_cfg, max_num_seqs=max_num_seqs, enable_prefix_caching=True)
         spec = jaxkv.buffer_spec(kv_cfg)
         self.cache = jnp.zeros(spec.shape, spec.dtype, device=cache_sharding(mesh))
         graphdef, self.params = nnx.split(model)
-        places = placements(model.cfg, kv_cfg)
         self._model_step = jax.jit(  # -> logits, cache
-            functools.partial(_model_step, graphdef, places, mesh), donate_argnums=(1,),
+            functools.partial(_model_step, graphdef, mesh), donate_argnums=(1,),
             **out_shardings(mesh, "replicated", "cache"))
         self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits
-            functools.partial(_decode_loop, graphdef, places, mesh, kv_cfg, decode_steps), donate_argnums=(1, 2),
+            functools.partial(_decode_loop, graphdef, mesh, kv_cfg, decode_steps), donate_argnums=(1, 2),
             **out_shardings(mesh, "replicated", "cache", "replicated", "replicated", "replicated"))
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
@@ -217,28 +215,14 @@ class ServingLoop:
         self.stats.preemptions += 1
 
     def _run_model(self, scheduled: list[tuple[Request, int]]):
-        num_tokens, num_rows = self.max_num_batched_tokens, self.max_num_seqs
-        tokens = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        req_slots = np.full(num_rows, num_rows, np.int32)
-        num_new = np.zeros(num_rows, np.int32)
-        seq_lens = np.zeros(num_rows, np.int32)
-        query_start_loc = np.zeros(num_rows + 1, np.int32)
-        slots = self.mgr.slots_of([req.request_id for req, _ in scheduled])
+        tokens = np.zeros(self.max_num_batched_tokens, np.int32)
         t = 0
-        for i, (req, k) in enumerate(scheduled):
+        for req, k in scheduled:
             tokens[t: t + k] = req.tokens[req.num_computed: req.num_computed + k]
-            positions[t: t + k] = np.arange(req.num_computed, req.num_computed + k)
-            req_slots[i], num_new[i] = slots[i], k
-            seq_lens[i] = req.num_computed + k
             t += k
-            query_start_loc[i + 1:] = t
-        state = self.mgr.state
-        step = PagedStep(
-            slot_mapping=st.slot_mappings(state, req_slots, num_new, cfg=self.kv_cfg, num_tokens=num_tokens),
-            block_tables=st.block_tables(state, req_slots),
-            seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(query_start_loc))
-        logits, self.cache = self._model_step(self.params, self.cache, tokens, positions, step)
+        meta = self.mgr.step_metadata([req.request_id for req, _ in scheduled], [k for _, k in scheduled],
+                                      num_tokens=self.max_num_batched_tokens)
+        logits, self.cache = self._model_step(self.params, self.cache, tokens, meta)
         logits = np.asarray(logits)
         self.stats.steps += 1
         self.stats.tokens_computed += t

@@ -69,9 +69,9 @@ def kernels(mesh: jax.sharding.Mesh | None):
     if mesh is None:
         return paged_scatter, paged_attention
 
-    def scatter(cache, rows, slot_mapping, layer_idx):
+    def scatter(cache, rows, slot_mapping, layer_idx, **static):
         return jax.shard_map(
-            lambda c, r, s: paged_scatter(c, r, s, layer_idx), mesh=mesh, check_vma=False,
+            lambda c, r, s: paged_scatter(c, r, s, layer_idx, **static), mesh=mesh, check_vma=False,
             in_specs=(CACHE_HEADS, HEADS, P()), out_specs=CACHE_HEADS,
         )(cache, rows, slot_mapping)
 

@@ -21,6 +21,7 @@ from jaxkv.layout import (
 from jaxkv.layout_html import render_layout_html
 from jaxkv.invariants import InvariantError, check_invariants
 from jaxkv.manager import KVCacheManager
+from jaxkv.metadata import StepMetadata, attend, step_metadata
 from jaxkv.planning import GROUPINGS, plan, resolve_kv_sharing
 from jaxkv.hashing import UnitHasher, block_hash, digests_to_keys, mm_extra_keys, prompt_unit_hashes
 from jaxkv.prefix_rules import HitRule, group_hit_lens, prefix_hit_len

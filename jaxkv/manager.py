@@ -52,6 +52,7 @@ from jaxkv import state as st
 from jaxkv.config import KVCacheConfig
 from jaxkv.hashing import HashMode, UnitHasher, digests_to_keys
 from jaxkv.invariants import check_invariants
+from jaxkv.metadata import StepMetadata, step_metadata
 from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
 from jaxkv.specs import cdiv
 from jaxkv.step import StepBatch, StepWork, allocate_step, walk_units
@@ -107,6 +108,9 @@ def _lookup_packed(state, keys, rows, *, cfg, prefix):
     hits, shared, stats = st._lookup(state, keys, rows[0], rows[1], cfg=cfg, prefix=prefix)
     return jnp.concatenate([hits, shared, jnp.stack([stats.num_lookups, stats.num_lookup_tokens, stats.num_hit_tokens,
                                              stats.num_reconciliation_miss_tokens])])
+
+
+_step_metadata = jax.jit(step_metadata, static_argnames=("cfg", "num_tokens"))
 
 
 def _store_hashes(state, uploads):
@@ -713,6 +717,24 @@ class KVCacheManager:
         if num_new.sum() > num_tokens:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
         return st.slot_mappings(self.state, self._slots(request_ids), num_new, cfg=self.cfg, num_tokens=num_tokens)
+
+    def step_metadata(self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int], *, num_tokens: int,
+                      num_rows: int | None = None) -> StepMetadata:
+        """What the model needs for the step that just allocated `num_new_tokens` for `request_ids`
+        (`jaxkv.metadata.StepMetadata`, on device): block tables, slot mappings, `seq_lens`,
+        `query_start_loc` and positions, the tokens packed in request order into T = `num_tokens`
+        entries, the rows padded to `num_rows` (default `max_num_seqs`: one shape for every step).
+
+        Raises if block copies were not taken (`take_block_copies`)."""
+        self._check_copies_taken()
+        num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
+        num_rows = self.max_num_seqs if num_rows is None else num_rows
+        if len(request_ids) > num_rows:
+            raise ValueError(f"{num_rows=} cannot hold the {len(request_ids)} requests")
+        if num_new.sum() > num_tokens:
+            raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
+        return _step_metadata(self.state, self._pad(self._slots(request_ids), num_rows, self.max_num_seqs),
+                              self._pad(num_new, num_rows, 0), cfg=self.cfg, num_tokens=num_tokens)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _slot(self, request_id: Hashable) -> int:

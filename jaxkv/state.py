@@ -415,25 +415,20 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
 
     req_slots: int32[R]. A row that does not fit in a step stalls for that step
     (allocate's batch rule applies per step). Returns the state, ok bool[num_steps, R]
-    and the decode tokens' slot mappings int32[num_steps, G, R] (−1 where not ok).
-    Equals `num_steps` calls of `allocate` + `slot_mappings`. Jitted as `decode_steps`.
+    and each step's slot mappings int32[num_steps, G, R] (the ok rows' tokens packed in row
+    order, −1 after them). Equals `num_steps` calls of `allocate` + `slot_mappings`. Jitted
+    as `decode_steps`.
     The loop returns no block copies: with hits inside blocks (`jaxkv.prefix_tails`), a row
     whose last step ended at its prompt tail inside a state block must take its next call
     through `allocate` (that call moves it to a copy of the block).
     """
-    rules = group_rules(cfg)
-    num_groups, num_slots, _ = state.block_tables.shape
-    row = (req_slots >= 0) & (req_slots < num_slots)
-    slots = jnp.where(row, req_slots, 0)
-    bs = rules.block_size[:, None]  # [G, 1]
+    row = (req_slots >= 0) & (req_slots < state.num_computed.shape[0])
 
     def step(state, _):
         state, result = _allocate(state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_sizes=chunk_sizes,
                                   prefix=prefix)
-        pos = jnp.maximum(state.num_computed[slots] - 1, 0)  # the decoded token's position [R]
-        block = state.block_tables[jnp.arange(num_groups)[:, None], slots[None, :], pos[None, :] // bs]
-        valid = result.ok[None, :] & (rules.kind != MAMBA)[:, None]
-        return state, (result.ok, jnp.where(valid, block * bs + pos[None, :] % bs, -1))
+        ok = result.ok.astype(jnp.int32)
+        return state, (result.ok, _slot_mappings(state, req_slots, ok, cfg=cfg, num_tokens=req_slots.shape[0]))
 
     state, (ok, slot_mapping) = lax.scan(step, state, None, length=num_steps)
     return state, ok, slot_mapping
