@@ -40,10 +40,14 @@ def main(argv=None) -> int:
                 print(f"step {step}: {key} differs\n  jaxkv: {a[key]}\n  vllm:  {b[key]}")
                 return 1
     if len(ours) != len(theirs):
-        print(f"identical for {min(len(ours), len(theirs))} steps, then jaxkv has {len(ours)} steps, vLLM {len(theirs)}")
+        print(
+            f"identical for {min(len(ours), len(theirs))} steps, then jaxkv has {len(ours)} steps, vLLM {len(theirs)}"
+        )
         return 1
-    print(f"identical: {len(ours)} steps, {sum(len(s['scheduled']) for s in ours)} allocations, "
-          f"{sum(len(s['preempted']) for s in ours)} preemptions, free blocks after every step")
+    print(
+        f"identical: {len(ours)} steps, {sum(len(s['scheduled']) for s in ours)} allocations, "
+        f"{sum(len(s['preempted']) for s in ours)} preemptions, free blocks after every step"
+    )
     return 0
 
 

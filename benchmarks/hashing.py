@@ -9,6 +9,7 @@ running `UnitHasher` (ns per appended token, unit hashes included).
 """
 
 import argparse
+import functools
 import platform
 import statistics
 import time
@@ -54,7 +55,11 @@ def main():
             row = []
             for prompt_len in PROMPT_LENS:
                 tokens = rng.integers(0, 150_000, prompt_len).tolist()
-                row.append(ns_per_token(lambda: prompt_unit_hashes(tokens, unit, mode=mode), prompt_len, args.repeats))
+                row.append(
+                    ns_per_token(
+                        functools.partial(prompt_unit_hashes, tokens, unit, mode=mode), prompt_len, args.repeats
+                    )
+                )
             decode = decode_ns_per_token(unit, mode, rng.integers(0, 150_000, 512).tolist(), args.repeats)
             print(f"| {mode} | {unit} | " + " | ".join(f"{x:.1f}" for x in row) + f" | {decode:.0f} |")
     print("ns per token, median of", args.repeats, "runs")

@@ -138,8 +138,10 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         label = f"{r['unit']} (block size)" if r["unit"] == cfg.groups[0].block_size else str(r["unit"])
-        print(f"| {label} | {r['requests']} | {r['prompt_tokens']:,} | {r['hit_tokens']:,} | "
-              f"{r['hit_tokens'] / r['prompt_tokens']:.1%} | {r['copies']} | {r['steps']} | {r['seconds']} |")
+        print(
+            f"| {label} | {r['requests']} | {r['prompt_tokens']:,} | {r['hit_tokens']:,} | "
+            f"{r['hit_tokens'] / r['prompt_tokens']:.1%} | {r['copies']} | {r['steps']} | {r['seconds']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,11 @@ def program_ops(mgr: KVCacheManager, work, num_rows: int) -> int:
     uploads = None
     if mgr.prefix_config is not None:
         uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
-    text = mgr._allocate_fn.lower(mgr._state, rows, mgr._device_counts(), None, uploads, None,
-                                  work=work).compile().as_text()
+    text = (
+        mgr._allocate_fn.lower(mgr._state, rows, mgr._device_counts(), None, uploads, None, work=work)
+        .compile()
+        .as_text()
+    )
     return sum(1 for line in text.splitlines() if re.match(r"\s+(ROOT )?\S+ = ", line))
 
 
@@ -96,7 +99,7 @@ def measure(num_blocks: int, num_rows: int, caching: bool, specialize: bool) -> 
         mgr.free_batch(ids)
         add_all()
         mgr.allocate_slots_batch(ids, prefill_tokens)
-        mgr.num_free_blocks  # flush
+        _ = mgr.num_free_blocks  # reading it applies the pending frees
 
     # noop: rows at 1 token into a block decode one more token (no block boundary).
     fresh([BLOCK + 1] * num_rows)
@@ -117,8 +120,9 @@ def measure(num_blocks: int, num_rows: int, caching: bool, specialize: bool) -> 
     def prefill_setup():
         fresh([BLOCK + 1] * num_rows)
 
-    out["prefill"] = best_us(lambda: mgr.allocate_slots_batch(ids, [4096, 4096] + [1] * (num_rows - 2)),
-                             prefill_setup, calls=5)
+    out["prefill"] = best_us(
+        lambda: mgr.allocate_slots_batch(ids, [4096, 4096] + [1] * (num_rows - 2)), prefill_setup, calls=5
+    )
     programs["prefill"] = mgr.last_work
 
     eighth = max(num_rows // 8, 1)
@@ -141,17 +145,25 @@ def main(argv=None) -> int:
     p.add_argument("--pools", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--rows", type=int, nargs="+", default=[8, 256])
     p.add_argument("--caching", choices=["on", "off", "both"], default="both")
-    p.add_argument("--program", choices=["specialised", "full", "both"], default="both",
-                   help="specialised: each step's own work signature (the default manager); full: "
-                        "specialize_steps=False, every step the full program with every row")
+    p.add_argument(
+        "--program",
+        choices=["specialised", "full", "both"],
+        default="both",
+        help="specialised: each step's own work signature (the default manager); full: "
+        "specialize_steps=False, every step the full program with every row",
+    )
     args = p.parse_args(argv)
     sync_cpu_dispatch()
     cachings = {"on": [True], "off": [False], "both": [False, True]}[args.caching]
     programs = {"specialised": [True], "full": [False], "both": [True, False]}[args.program]
-    results = {f"{num_blocks}/R={num_rows}/caching {'on' if caching else 'off'}/"
-               f"{'specialised' if specialize else 'full'}": measure(num_blocks, num_rows, caching, specialize)
-               for num_blocks in args.pools for num_rows in args.rows for caching in cachings
-               for specialize in programs}
+    results = {
+        f"{num_blocks}/R={num_rows}/caching {'on' if caching else 'off'}/"
+        f"{'specialised' if specialize else 'full'}": measure(num_blocks, num_rows, caching, specialize)
+        for num_blocks in args.pools
+        for num_rows in args.rows
+        for caching in cachings
+        for specialize in programs
+    }
     if args.json:
         print(json.dumps(results))
     else:

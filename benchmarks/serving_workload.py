@@ -66,7 +66,8 @@ def gemma3_27b_config(num_blocks: int, max_model_len: int, max_num_batched_token
     of exactly `num_blocks` blocks."""
     kw = dict(block_size=BLOCK_SIZE, num_kv_heads=16, head_size=128, dtype="bfloat16")
     layers = {
-        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(**kw) if i % 6 == 5
+        f"model.layers.{i}.self_attn.attn": FullAttentionSpec(**kw)
+        if i % 6 == 5
         else SlidingWindowSpec(**kw, sliding_window=WINDOW)
         for i in range(NUM_LAYERS)
     }
@@ -93,8 +94,16 @@ def output_token(request_id: int, k: int, vocab: int) -> int:
 
 
 class Request:
-    __slots__ = ("idx", "token_ids", "num_prompt", "output_len", "num_output", "num_computed", "num_preemptions",
-                 "hasher")
+    __slots__ = (
+        "idx",
+        "token_ids",
+        "num_prompt",
+        "output_len",
+        "num_output",
+        "num_computed",
+        "num_preemptions",
+        "hasher",
+    )
 
     def __init__(self, doc):
         self.idx = doc["id"]
@@ -200,8 +209,11 @@ def replay(args, workload: dict, trace=None) -> dict:
                     if req.idx not in added:
                         timed("add_request", mgr.add_request, req.idx, req.token_ids, unit_hasher=req.hasher)
                         added.add(req.idx)
-                found = timed("lookup", mgr.get_computed_tokens_batch, [r.idx for r in lookup]).tolist() \
-                    if caching else [0] * len(lookup)
+                found = (
+                    timed("lookup", mgr.get_computed_tokens_batch, [r.idx for r in lookup]).tolist()
+                    if caching
+                    else [0] * len(lookup)
+                )
                 for req, hit in zip(lookup, found):
                     if budget <= 0:
                         break
@@ -213,8 +225,14 @@ def replay(args, workload: dict, trace=None) -> dict:
             if not rows:
                 break
             must_fit = [False] * len(batch) + [True] * len(candidates)
-            ok = timed("allocate", mgr.allocate_slots_batch, [r.idx for r, _ in rows], [n for _, n in rows],
-                       [0] * len(batch) + [h for _, _, h in candidates], full_sequence_must_fit=must_fit)
+            ok = timed(
+                "allocate",
+                mgr.allocate_slots_batch,
+                [r.idx for r, _ in rows],
+                [n for _, n in rows],
+                [0] * len(batch) + [h for _, _, h in candidates],
+                full_sequence_must_fit=must_fit,
+            )
             num_ok = len(rows) if ok.all() else int(ok.argmin())
             scheduled += batch[:num_ok]
             for req, n, hit in candidates[: max(num_ok - len(batch), 0)]:
@@ -233,7 +251,7 @@ def replay(args, workload: dict, trace=None) -> dict:
                 batch = []  # the next round: candidates only
         if added:  # candidates not admitted hold no block: host-only
             timed("free", mgr.free_batch, sorted(added))
-        batch = batch[min(num_ok, len(batch)):]
+        batch = batch[min(num_ok, len(batch)) :]
         # A running request failed: preempt from the back and retry from it (more dispatches).
         while batch:
             failed = batch[0][0]
@@ -254,8 +272,18 @@ def replay(args, workload: dict, trace=None) -> dict:
 
         peak_used = max(peak_used, total_blocks - mgr.num_free_blocks)
         if trace is not None:
-            trace.write(json.dumps({"step": len(step_kv_us), "scheduled": [[r.idx, n] for r, n in scheduled],
-                                    "preempted": preempted, "admitted_hits": hits, "free_blocks": mgr.num_free_blocks}) + "\n")
+            trace.write(
+                json.dumps(
+                    {
+                        "step": len(step_kv_us),
+                        "scheduled": [[r.idx, n] for r, n in scheduled],
+                        "preempted": preempted,
+                        "admitted_hits": hits,
+                        "free_blocks": mgr.num_free_blocks,
+                    }
+                )
+                + "\n"
+            )
 
         # (3) Model step.
         done, sampled = [], []
@@ -334,8 +362,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     p.add_argument("--warmup-replays", type=int, default=1, help="untimed replays first (0: time the first one)")
-    p.add_argument("--trace", default=None, help="write each step's scheduled rows, preemptions and free "
-                   "blocks (JSONL), for benchmarks/compare_vllm_trace.py")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="write each step's scheduled rows, preemptions and free "
+        "blocks (JSONL), for benchmarks/compare_vllm_trace.py",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON line (otherwise a short summary)")
     args = p.parse_args(argv)
     sync_cpu_dispatch()
@@ -355,9 +387,11 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out), flush=True)
     else:
-        print(f"{out['steps']} steps, {out['mean_all_us_per_step']:.0f} us/step KV bookkeeping "
-              f"(p99 {out['p99_kv_us_per_step']:.0f}), peak {out['peak_blocks_used']} blocks, "
-              f"{out['preemptions']} preemptions, {out['final_blocks_used']} blocks not returned")
+        print(
+            f"{out['steps']} steps, {out['mean_all_us_per_step']:.0f} us/step KV bookkeeping "
+            f"(p99 {out['p99_kv_us_per_step']:.0f}), peak {out['peak_blocks_used']} blocks, "
+            f"{out['preemptions']} preemptions, {out['final_blocks_used']} blocks not returned"
+        )
     return 0 if out["final_blocks_used"] == 0 and out["completed"] else 1
 
 

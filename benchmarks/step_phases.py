@@ -31,14 +31,25 @@ import tempfile
 import time
 
 import jax
+import serving_workload as sw
 from jax.profiler import ProfileData
 
-import serving_workload as sw
 from jaxkv import manager as manager_module
 from jaxkv.manager import KVCacheManager
 
-PHASES = ("sync_counts", "free_requests", "store_keys", "register_finished_states", "claim_hits", "gate_rows",
-          "unclaim_failed", "release_behind_windows", "take_blocks", "place_tails", "index_filled_blocks")
+PHASES = (
+    "sync_counts",
+    "free_requests",
+    "store_keys",
+    "register_finished_states",
+    "claim_hits",
+    "gate_rows",
+    "unclaim_failed",
+    "release_behind_windows",
+    "take_blocks",
+    "place_tails",
+    "index_filled_blocks",
+)
 _OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
 
 
@@ -80,8 +91,9 @@ def record_allocations(calls: list):
         def recording(*args, work):
             shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
             key = (work, args[1].shape, args[3] is None, args[5] is None)
-            calls.append({"work": work, "key": key, "shapes": shapes, "step": recording.in_step,
-                          "lower": allocate.lower})
+            calls.append(
+                {"work": work, "key": key, "shapes": shapes, "step": recording.in_step, "lower": allocate.lower}
+            )
             return allocate(*args, work=work)
 
         recording.in_step = False
@@ -97,15 +109,25 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=32768)
     p.add_argument("--json", action="store_true")
     p.add_argument("--top", type=int, default=0, help="also list each program's N costliest thunks")
-    p.add_argument("--max-programs", type=int, default=manager_module.MAX_PROGRAMS,
-                   help="specialised programs compiled (later steps: the full program)")
+    p.add_argument(
+        "--max-programs",
+        type=int,
+        default=manager_module.MAX_PROGRAMS,
+        help="specialised programs compiled (later steps: the full program)",
+    )
     args = p.parse_args(argv)
     manager_module.MAX_PROGRAMS = args.max_programs
     sw.sync_cpu_dispatch()
     workload = json.load(open(args.workload))
     workload["requests"] = workload["requests"][: args.num_requests]
-    ns = argparse.Namespace(workload=args.workload, num_blocks=args.num_blocks, max_num_seqs=256,
-                            max_num_batched_tokens=8192, max_model_len=32768, no_prefix_caching=False)
+    ns = argparse.Namespace(
+        workload=args.workload,
+        num_blocks=args.num_blocks,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=32768,
+        no_prefix_caching=False,
+    )
     sw.replay(ns, workload)  # compiles and runs every program once
 
     calls: list[dict] = []
@@ -152,8 +174,10 @@ def main(argv=None) -> int:
             end = start + us * 1e3
     jit_events = outer
     if not len(calls) == len(ordered_runs) == len(jit_events):
-        print(f"{len(calls)} calls, {len(jit_events)} jitted calls and {len(ordered_runs)} runs traced: "
-              "cannot pair them", file=sys.stderr)
+        print(
+            f"{len(calls)} calls, {len(jit_events)} jitted calls and {len(ordered_runs)} runs traced: cannot pair them",
+            file=sys.stderr,
+        )
         return 1
     phases_of = {}  # program key -> {thunk -> phase}
     table = {}
@@ -166,8 +190,17 @@ def main(argv=None) -> int:
             phases_of[key] = op_phases(call["lower"](*call["shapes"], work=call["work"]).compile().as_text())
         work, (_, num_rows), no_frees, _ = key
         name = f"{work} R={num_rows}{'' if no_frees else ' +frees'}"
-        row = table.setdefault(name, {"steps": 0, "call_us": 0.0, "jit_us": 0.0, "phase_us": collections.Counter(),
-                                      "phase_ops": collections.Counter(), "thunk_us": collections.Counter()})
+        row = table.setdefault(
+            name,
+            {
+                "steps": 0,
+                "call_us": 0.0,
+                "jit_us": 0.0,
+                "phase_us": collections.Counter(),
+                "phase_ops": collections.Counter(),
+                "thunk_us": collections.Counter(),
+            },
+        )
         row["steps"] += 1
         row["call_us"] += next(step_calls)
         row["jit_us"] += jit_us
@@ -181,19 +214,36 @@ def main(argv=None) -> int:
     out = []
     for work, row in sorted(table.items(), key=lambda item: -item[1]["steps"]):
         n = row["steps"]
-        out.append({"work": work, "steps": n, "call_us": row["call_us"] / n, "jit_us": row["jit_us"] / n,
-                    "thunk_us": sum(row["phase_us"].values()) / n,
-                    "phases": {ph: [round(row["phase_us"][ph] / n, 1), row["phase_ops"][ph]]
-                               for ph in PHASES + ("other",) if row["phase_ops"][ph]},
-                    "top_thunks": [[what, round(us / n, 1)] for what, us in row["thunk_us"].most_common(args.top)]})
-    result = {"jax_version": jax.__version__, "num_blocks": args.num_blocks, "num_requests": args.num_requests,
-              "dispatching_calls": len(call_us), "signatures": out}
+        out.append(
+            {
+                "work": work,
+                "steps": n,
+                "call_us": row["call_us"] / n,
+                "jit_us": row["jit_us"] / n,
+                "thunk_us": sum(row["phase_us"].values()) / n,
+                "phases": {
+                    ph: [round(row["phase_us"][ph] / n, 1), row["phase_ops"][ph]]
+                    for ph in PHASES + ("other",)
+                    if row["phase_ops"][ph]
+                },
+                "top_thunks": [[what, round(us / n, 1)] for what, us in row["thunk_us"].most_common(args.top)],
+            }
+        )
+    result = {
+        "jax_version": jax.__version__,
+        "num_blocks": args.num_blocks,
+        "num_requests": args.num_requests,
+        "dispatching_calls": len(call_us),
+        "signatures": out,
+    }
     if args.json:
         print(json.dumps(result))
     else:
         for row in out:
-            print(f"{row['work']}: {row['steps']} steps, call {row['call_us']:.0f} µs, jit {row['jit_us']:.0f}, "
-                  f"thunks {row['thunk_us']:.0f}")
+            print(
+                f"{row['work']}: {row['steps']} steps, call {row['call_us']:.0f} µs, jit {row['jit_us']:.0f}, "
+                f"thunks {row['thunk_us']:.0f}"
+            )
             for ph, (us, n) in row["phases"].items():
                 print(f"    {ph:26s} {us:8.1f} µs {n:6d} thunks run")
             for what, us in row["top_thunks"]:

@@ -29,7 +29,7 @@ def compare_with_dense(model, requests) -> tuple[float, int]:
             continue
         got = np.stack([req.logits[p] for p in positions])
         err = float(np.max(np.abs(got - expected[positions])))
-        greedy = expected[len(req.prompt) - 1:].argmax(-1).tolist()
+        greedy = expected[len(req.prompt) - 1 :].argmax(-1).tolist()
         worst = max(worst, err)
         if err > ATOL or greedy != req.output:
             mismatches += 1

@@ -35,10 +35,13 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true", help="compare with a dense forward pass; exit 1 on mismatch")
     p.add_argument("--tp", type=int, default=1, help="shard KV heads over this many devices")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="run as one of --num-processes JAX processes (jax.distributed.initialize) whose "
-                        "coordinator, process 0, listens at HOST:PORT; the --tp devices are split evenly "
-                        "among the processes")
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="run as one of --num-processes JAX processes (jax.distributed.initialize) whose "
+        "coordinator, process 0, listens at HOST:PORT; the --tp devices are split evenly "
+        "among the processes",
+    )
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
     return p.parse_args(argv)
@@ -55,33 +58,49 @@ def main(argv=None) -> int:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local_devices}".strip()
 
     import jax
+
     if args.coordinator is not None:
         from sharding import initialize_processes
+
         initialize_processes(args.coordinator, args.num_processes, args.process_id)
     import numpy as np
     from flax import nnx
-
-    import jaxkv
     from model import Decoder, ModelConfig
     from serving import ServingLoop
     from sharding import model_mesh
 
+    import jaxkv
+
     model_cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
     rng = np.random.default_rng(args.seed)
     system = rng.integers(0, model_cfg.vocab_size, args.system_prompt_len).tolist()
-    prompts = [system + rng.integers(0, model_cfg.vocab_size, int(n)).tolist()
-               for n in rng.integers(1, args.max_prompt_len + 1, args.num_prompts)]
+    prompts = [
+        system + rng.integers(0, model_cfg.vocab_size, int(n)).tolist()
+        for n in rng.integers(1, args.max_prompt_len + 1, args.num_prompts)
+    ]
     max_model_len = max(map(len, prompts)) + args.max_new_tokens
     specs = model_cfg.kv_cache_specs(args.block_size)
-    probe = jaxkv.plan(specs, 1 << 40, max_model_len=max_model_len,
-                       max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm")
-    kv_cfg = jaxkv.plan(specs, args.num_blocks * probe.bytes_per_block, max_model_len=max_model_len,
-                        max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm")
+    probe = jaxkv.plan(
+        specs, 1 << 40, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm"
+    )
+    kv_cfg = jaxkv.plan(
+        specs,
+        args.num_blocks * probe.bytes_per_block,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        grouping="vllm",
+    )
     model = Decoder(model_cfg, rngs=nnx.Rngs(args.seed))
     mesh = model_mesh(args.tp) if args.tp > 1 else None
-    loop = ServingLoop(model, kv_cfg, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, decode_steps=args.decode_steps,
-                       record_logits=args.check, mesh=mesh)
+    loop = ServingLoop(
+        model,
+        kv_cfg,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_steps=args.decode_steps,
+        record_logits=args.check,
+        mesh=mesh,
+    )
     requests = loop.generate(prompts, args.max_new_tokens, progress=True)
     s = loop.stats
     digest = hashlib.sha256(repr([r.output for r in requests]).encode()).hexdigest()[:16]
@@ -89,34 +108,51 @@ def main(argv=None) -> int:
     where = jax.default_backend()
     if jax.process_count() > 1:
         where += f", process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} devices here"
-    print(f"devices: {args.tp} ({where}), {len(requests)} requests, {s.tokens_generated} tokens "
-          f"generated in {s.seconds:.2f} s: {s.tokens_generated / s.seconds:.1f} tokens/s "
-          f"({s.tokens_computed / s.seconds:.1f} tokens/s computed incl. prefill)")
-    print(f"cache {tuple(loop.cache.shape)} sharded as {loop.cache.sharding.spec if args.tp > 1 else 'one device'}; "
-          f"generated tokens digest {digest}")
-    print(f"engine steps: {s.steps} ({s.device_loops} on-device loops of {args.decode_steps} decode steps), "
-          f"preemptions: {s.preemptions}, allocation programs (work signatures): {len(loop.mgr.step_variants)}")
-    print(f"prefix-hit rate: {s.prefix_hit_tokens}/{s.prompt_tokens} prompt tokens "
-          f"({100 * s.prefix_hit_tokens / max(s.prompt_tokens, 1):.1f}%)")
-    print("peak KV blocks in use per group: " + ", ".join(
-        f"{g.describe()}×{len(g.layer_names)}: {n}" for g, n in zip(kv_cfg.groups, s.peak_blocks_per_group)))
+    print(
+        f"devices: {args.tp} ({where}), {len(requests)} requests, {s.tokens_generated} tokens "
+        f"generated in {s.seconds:.2f} s: {s.tokens_generated / s.seconds:.1f} tokens/s "
+        f"({s.tokens_computed / s.seconds:.1f} tokens/s computed incl. prefill)"
+    )
+    print(
+        f"cache {tuple(loop.cache.shape)} sharded as {loop.cache.sharding.spec if args.tp > 1 else 'one device'}; "
+        f"generated tokens digest {digest}"
+    )
+    print(
+        f"engine steps: {s.steps} ({s.device_loops} on-device loops of {args.decode_steps} decode steps), "
+        f"preemptions: {s.preemptions}, allocation programs (work signatures): {len(loop.mgr.step_variants)}"
+    )
+    print(
+        f"prefix-hit rate: {s.prefix_hit_tokens}/{s.prompt_tokens} prompt tokens "
+        f"({100 * s.prefix_hit_tokens / max(s.prompt_tokens, 1):.1f}%)"
+    )
+    print(
+        "peak KV blocks in use per group: "
+        + ", ".join(f"{g.describe()}×{len(g.layer_names)}: {n}" for g, n in zip(kv_cfg.groups, s.peak_blocks_per_group))
+    )
     page = specs[model_cfg.layer_name(0)].page_size_bytes
     all_full_bytes = len(specs) * jaxkv.cdiv(max_model_len, args.block_size) * page
     if full is None:
         versus = "an all-full-attention cache in the same memory could not hold one request"
     else:
-        versus = (f"against {full.capacity_tokens} with an all-full-attention cache in the same memory "
-                  f"({kv_cfg.capacity_tokens / full.capacity_tokens:.2f}×)")
-    print(f"KV cache: {kv_cfg.num_blocks} blocks of {kv_cfg.bytes_per_block} B; holds {kv_cfg.capacity_tokens} tokens "
-          f"of {max_model_len}-token requests, {versus}; bytes per {max_model_len}-token request: "
-          f"{kv_cfg.bytes_per_request(max_model_len):,} vs {all_full_bytes:,} all-full")
+        versus = (
+            f"against {full.capacity_tokens} with an all-full-attention cache in the same memory "
+            f"({kv_cfg.capacity_tokens / full.capacity_tokens:.2f}×)"
+        )
+    print(
+        f"KV cache: {kv_cfg.num_blocks} blocks of {kv_cfg.bytes_per_block} B; holds {kv_cfg.capacity_tokens} tokens "
+        f"of {max_model_len}-token requests, {versus}; bytes per {max_model_len}-token request: "
+        f"{kv_cfg.bytes_per_request(max_model_len):,} vs {all_full_bytes:,} all-full"
+    )
     if not args.check:
         return 0
     from check import compare_with_dense
+
     worst, mismatches = compare_with_dense(model, requests)
-    print(f"check: {sum(len(r.logits) for r in requests)} logit rows of {len(requests)} requests against a dense "
-          f"forward pass (no cache, window masks): max abs error {worst:.2e}; "
-          f"{mismatches} mismatching requests")
+    print(
+        f"check: {sum(len(r.logits) for r in requests)} logit rows of {len(requests)} requests against a dense "
+        f"forward pass (no cache, window masks): max abs error {worst:.2e}; "
+        f"{mismatches} mismatching requests"
+    )
     return 1 if mismatches else 0
 
 

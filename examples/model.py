@@ -19,9 +19,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from sharding import kernels
 
 import jaxkv
-from sharding import kernels
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,8 +46,16 @@ class ModelConfig:
     @classmethod
     def tiny(cls) -> ModelConfig:
         """A configuration for CI: 6 layers (5 sliding + 1 global), window 8."""
-        return cls(vocab_size=64, num_layers=6, embed_dim=32, hidden_dim=64, num_heads=8,
-                   num_kv_heads=4, head_dim=8, sliding_window=8)
+        return cls(
+            vocab_size=64,
+            num_layers=6,
+            embed_dim=32,
+            hidden_dim=64,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=8,
+            sliding_window=8,
+        )
 
     def is_global(self, layer_idx: int) -> bool:
         return (layer_idx + 1) % self.sliding_window_pattern == 0
@@ -59,7 +67,8 @@ class ModelConfig:
         """The layer → KV cache spec mapping that `jaxkv.plan` takes."""
         common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim, dtype=self.dtype)
         return {
-            self.layer_name(i): jaxkv.FullAttentionSpec(**common) if self.is_global(i)
+            self.layer_name(i): jaxkv.FullAttentionSpec(**common)
+            if self.is_global(i)
             else jaxkv.SlidingWindowSpec(**common, sliding_window=self.sliding_window)
             for i in range(self.num_layers)
         }
@@ -117,8 +126,9 @@ class Attention(nnx.Module):
     def paged(self, x, cache, meta: jaxkv.StepMetadata, mesh=None):
         """x [T, D], cache [B, L, K, N, 2H] -> ([T, D], cache'): write this step's K/V, attend over the cache."""
         q, k, v = self.project(x, meta.positions)
-        attn, cache = jaxkv.attend(q, k, v, cache, meta, layer=self.name, sm_scale=self.cfg.head_dim**-0.5,
-                                   kernels=kernels(mesh))
+        attn, cache = jaxkv.attend(
+            q, k, v, cache, meta, layer=self.name, sm_scale=self.cfg.head_dim**-0.5, kernels=kernels(mesh)
+        )
         return self.out(attn.reshape(x.shape[0], -1)), cache
 
 

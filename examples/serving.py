@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from model import Decoder
+from sharding import cache_sharding, out_shardings
 
 import jaxkv
 from jaxkv import state as st
 from jaxkv.manager import KVCacheManager
-from model import Decoder
-from sharding import cache_sharding, out_shardings
 
 
 @dataclasses.dataclass
@@ -90,8 +90,9 @@ def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_sl
         wanted = row & (s < remaining)
         state, result = st.allocate(state, req_slots, wanted.astype(jnp.int32), cfg=kv_cfg)
         produced = result.ok & wanted
-        meta = jaxkv.step_metadata(state, req_slots, produced.astype(jnp.int32), cfg=kv_cfg,
-                                   num_tokens=req_slots.shape[0])
+        meta = jaxkv.step_metadata(
+            state, req_slots, produced.astype(jnp.int32), cfg=kv_cfg, num_tokens=req_slots.shape[0]
+        )
         # The producing rows' tokens, packed in row order as `meta` packs them; row r's logits sit at
         # its first token.
         packed = token[jnp.argsort(~produced, stable=True)]
@@ -101,7 +102,8 @@ def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_sl
         return (state, cache, token), (produced, token, logits)
 
     (state, cache, _), (produced, tokens, logits) = jax.lax.scan(
-        step, (state, cache, next_token), jnp.arange(num_steps))
+        step, (state, cache, next_token), jnp.arange(num_steps)
+    )
     return state, cache, produced, tokens, logits
 
 
@@ -109,9 +111,17 @@ class ServingLoop:
     """Serves a `Decoder` over a jaxkv plan: continuous batching, chunked prefill, prefix reuse,
     preemption and resumption, and on-device multi-step decode."""
 
-    def __init__(self, model: Decoder, kv_cfg: jaxkv.KVCacheConfig, *, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 64, decode_steps: int = 8, record_logits: bool = False,
-                 mesh: jax.sharding.Mesh | None = None):
+    def __init__(
+        self,
+        model: Decoder,
+        kv_cfg: jaxkv.KVCacheConfig,
+        *,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        decode_steps: int = 8,
+        record_logits: bool = False,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
         self.kv_cfg = kv_cfg
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,11 +134,15 @@ class ServingLoop:
         self.cache = jnp.zeros(spec.shape, spec.dtype, device=cache_sharding(mesh))
         graphdef, self.params = nnx.split(model)
         self._model_step = jax.jit(  # -> logits, cache
-            functools.partial(_model_step, graphdef, mesh), donate_argnums=(1,),
-            **out_shardings(mesh, "replicated", "cache"))
+            functools.partial(_model_step, graphdef, mesh),
+            donate_argnums=(1,),
+            **out_shardings(mesh, "replicated", "cache"),
+        )
         self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits
-            functools.partial(_decode_loop, graphdef, mesh, kv_cfg, decode_steps), donate_argnums=(1, 2),
-            **out_shardings(mesh, "replicated", "cache", "replicated", "replicated", "replicated"))
+            functools.partial(_decode_loop, graphdef, mesh, kv_cfg, decode_steps),
+            donate_argnums=(1, 2),
+            **out_shardings(mesh, "replicated", "cache", "replicated", "replicated", "replicated"),
+        )
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -151,8 +165,12 @@ class ServingLoop:
             if progress:
                 done = sum(r.done for r in requests)
                 bar = "#" * (30 * done // len(requests))
-                print(f"\r[{bar:<30}] {done}/{len(requests)} requests, {self.stats.tokens_generated} tokens",
-                      end="", file=sys.stderr, flush=True)
+                print(
+                    f"\r[{bar:<30}] {done}/{len(requests)} requests, {self.stats.tokens_generated} tokens",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
         jax.block_until_ready(self.cache)
         self.stats.seconds += time.perf_counter() - start
         if progress:
@@ -160,8 +178,9 @@ class ServingLoop:
         return requests
 
     def _all_decoding(self) -> bool:
-        return (not self.waiting and bool(self.running)
-                and all(len(r.tokens) - r.num_computed == 1 for r in self.running))
+        return (
+            not self.waiting and bool(self.running) and all(len(r.tokens) - r.num_computed == 1 for r in self.running)
+        )
 
     def _engine_step(self):
         budget = self.max_num_batched_tokens
@@ -218,10 +237,11 @@ class ServingLoop:
         tokens = np.zeros(self.max_num_batched_tokens, np.int32)
         t = 0
         for req, k in scheduled:
-            tokens[t: t + k] = req.tokens[req.num_computed: req.num_computed + k]
+            tokens[t : t + k] = req.tokens[req.num_computed : req.num_computed + k]
             t += k
-        meta = self.mgr.step_metadata([req.request_id for req, _ in scheduled], [k for _, k in scheduled],
-                                      num_tokens=self.max_num_batched_tokens)
+        meta = self.mgr.step_metadata(
+            [req.request_id for req, _ in scheduled], [k for _, k in scheduled], num_tokens=self.max_num_batched_tokens
+        )
         logits, self.cache = self._model_step(self.params, self.cache, tokens, meta)
         logits = np.asarray(logits)
         self.stats.steps += 1
@@ -247,7 +267,8 @@ class ServingLoop:
         next_token[:n] = [r.tokens[-1] for r in self.running]
         remaining[:n] = [r.max_new_tokens - len(r.output) for r in self.running]
         state, self.cache, produced, tokens, logits = self._decode_loop(
-            self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining)
+            self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining
+        )
         produced, tokens = np.asarray(produced), np.asarray(tokens)
         logits = np.asarray(logits) if self.record_logits else None
         self.mgr.adopt_state(state, [r.request_id for r in self.running])

@@ -16,11 +16,10 @@ the same program. examples/decode.py --coordinator does this on CPU.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_scatter import paged_scatter
@@ -41,8 +40,10 @@ def initialize_processes(coordinator: str, num_processes: int, process_id: int) 
 
 def model_mesh(num_devices: int) -> jax.sharding.Mesh:
     if jax.device_count() < num_devices:
-        raise ValueError(f"{num_devices=} devices asked for, {jax.device_count()} present; on CPU set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before JAX starts")
+        raise ValueError(
+            f"{num_devices=} devices asked for, {jax.device_count()} present; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before JAX starts"
+        )
     return jax.sharding.Mesh(np.array(jax.devices()[:num_devices]), (AXIS,))
 
 
@@ -71,14 +72,20 @@ def kernels(mesh: jax.sharding.Mesh | None):
 
     def scatter(cache, rows, slot_mapping, layer_idx, **static):
         return jax.shard_map(
-            lambda c, r, s: paged_scatter(c, r, s, layer_idx, **static), mesh=mesh, check_vma=False,
-            in_specs=(CACHE_HEADS, HEADS, P()), out_specs=CACHE_HEADS,
+            lambda c, r, s: paged_scatter(c, r, s, layer_idx, **static),
+            mesh=mesh,
+            check_vma=False,
+            in_specs=(CACHE_HEADS, HEADS, P()),
+            out_specs=CACHE_HEADS,
         )(cache, rows, slot_mapping)
 
     def attention(q, cache, query_start_loc, seq_lens, block_tables, layer_idx, **static):
         return jax.shard_map(
-            lambda *a: paged_attention(*a, layer_idx, **static), mesh=mesh, check_vma=False,
-            in_specs=(HEADS, CACHE_HEADS, P(), P(), P()), out_specs=HEADS,
+            lambda *a: paged_attention(*a, layer_idx, **static),
+            mesh=mesh,
+            check_vma=False,
+            in_specs=(HEADS, CACHE_HEADS, P(), P(), P()),
+            out_specs=HEADS,
         )(q, cache, query_start_loc, seq_lens, block_tables)
 
     return scatter, attention

@@ -1,7 +1,9 @@
 """jaxkv: a paged KV cache for hybrid models, managed by jitted pure functions."""
 
 from jaxkv.config import LAYOUTS, KVCacheConfig, KVCacheGroup, KVCacheTensor
+from jaxkv.hashing import UnitHasher, block_hash, digests_to_keys, mm_extra_keys, prompt_unit_hashes
 from jaxkv.hf_config import SUPPORTED_MODEL_TYPES, specs_from_hf_config
+from jaxkv.invariants import InvariantError, check_invariants
 from jaxkv.layout import (
     DSA_INDEXER_FIELDS,
     DSA_LATENT_FIELDS,
@@ -19,13 +21,10 @@ from jaxkv.layout import (
     write_rows,
 )
 from jaxkv.layout_html import render_layout_html
-from jaxkv.invariants import InvariantError, check_invariants
 from jaxkv.manager import KVCacheManager
 from jaxkv.metadata import StepMetadata, attend, step_metadata
 from jaxkv.planning import GROUPINGS, plan, resolve_kv_sharing
-from jaxkv.hashing import UnitHasher, block_hash, digests_to_keys, mm_extra_keys, prompt_unit_hashes
 from jaxkv.prefix_rules import HitRule, group_hit_lens, prefix_hit_len
-from jaxkv.state import AllocateResult, ManagerState, init_state
 from jaxkv.specs import (
     NULL_BLOCK,
     ChunkedLocalAttentionSpec,
@@ -35,3 +34,55 @@ from jaxkv.specs import (
     SlidingWindowSpec,
     cdiv,
 )
+from jaxkv.state import AllocateResult, ManagerState, init_state
+
+__all__ = [
+    "allocate_cache",
+    "AllocateResult",
+    "attend",
+    "block_hash",
+    "buffer_spec",
+    "cdiv",
+    "check_invariants",
+    "ChunkedLocalAttentionSpec",
+    "copy_blocks",
+    "digests_to_keys",
+    "DSA_INDEXER_FIELDS",
+    "DSA_LATENT_FIELDS",
+    "find_layer",
+    "FullAttentionSpec",
+    "group_hit_lens",
+    "GROUPINGS",
+    "HitRule",
+    "init_state",
+    "InvariantError",
+    "is_typed",
+    "KVCacheConfig",
+    "KVCacheGroup",
+    "KVCacheManager",
+    "KVCacheTensor",
+    "LAYOUTS",
+    "locate_token",
+    "MambaSpec",
+    "ManagerState",
+    "MLAAttentionSpec",
+    "mm_extra_keys",
+    "NULL_BLOCK",
+    "plan",
+    "prefix_hit_len",
+    "prompt_unit_hashes",
+    "read_rows",
+    "render_layout_html",
+    "resolve_kv_sharing",
+    "RowField",
+    "SlidingWindowSpec",
+    "specs_from_hf_config",
+    "state_fields",
+    "step_metadata",
+    "StepMetadata",
+    "SUPPORTED_MODEL_TYPES",
+    "typed_view",
+    "UnitHasher",
+    "with_layout",
+    "write_rows",
+]

@@ -309,9 +309,7 @@ class KVCacheConfig:
         lines.append(f"Padding waste: {self.padding_fraction:.2%} of a {self.max_model_len:,}-token request's blocks")
         lines.append(f"num_blocks: {self.num_blocks:,} (null block included)")
         lines.append(f"KV cache size: {self.capacity_tokens:,} tokens")
-        lines.append(
-            f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"
-        )
+        lines.append(f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x")
         if self.vllm_grouping is not None:
             vllm = self.vllm_grouping
             lines.append(
@@ -340,7 +338,7 @@ def _human_bytes(num_bytes: int) -> str:
 
 
 def _abbreviate(names: tuple[str, ...], limit: int = 12) -> str:
-    """"model.layers.{0,6,12}.self_attn.attn" when names differ in one number, else a short list."""
+    """ "model.layers.{0,6,12}.self_attn.attn" when names differ in one number, else a short list."""
     parts = [re.fullmatch(r"(.*?)(\d+)(\D*)", n) for n in names]
     if all(parts) and len({(m[1], m[3]) for m in parts}) == 1:
         nums = [m[2] for m in parts]

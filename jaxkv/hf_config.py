@@ -29,9 +29,7 @@ DEEPSEEK_SPARSE_MLA_BLOCK_SIZE = 64
 """DeepSeek-V3.2's sparse MLA kernels (FlashMLA) read 64-token blocks."""
 
 
-def specs_from_hf_config(
-    config_dict: Mapping, *, dtype="bfloat16", block_size: int | None = None
-) -> Layers:
+def specs_from_hf_config(config_dict: Mapping, *, dtype="bfloat16", block_size: int | None = None) -> Layers:
     """Layer name → spec (or shared layer's owner name) for a Hugging Face config.
 
     Args:
@@ -65,7 +63,9 @@ class _Config:
 
     def __getitem__(self, key: str):
         if self.fields.get(key) is None:
-            raise ValueError(f"config.json (model_type={self.model_type!r}) has no {key!r}, which this model type needs")
+            raise ValueError(
+                f"config.json (model_type={self.model_type!r}) has no {key!r}, which this model type needs"
+            )
         return self.fields[key]
 
     def get(self, key: str, default=None):

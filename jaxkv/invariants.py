@@ -52,10 +52,14 @@ def check_pool(pool: PoolState) -> np.ndarray:
     free = np.flatnonzero(ref_cnt == 0)
     free = free[free != NULL_BLOCK]
     _require(len(in_order) == len(set(in_order.tolist())), "a block has two valid entries in the free order")
-    _require(set(in_order.tolist()) == set(free.tolist()),
-             f"free blocks missing from the free order: {sorted(set(free.tolist()) - set(in_order.tolist()))[:8]}")
-    _require(int(pool.num_free_blocks) == len(free),
-             f"num_free_blocks is {int(pool.num_free_blocks)} but {len(free)} blocks have reference count 0")
+    _require(
+        set(in_order.tolist()) == set(free.tolist()),
+        f"free blocks missing from the free order: {sorted(set(free.tolist()) - set(in_order.tolist()))[:8]}",
+    )
+    _require(
+        int(pool.num_free_blocks) == len(free),
+        f"num_free_blocks is {int(pool.num_free_blocks)} but {len(free)} blocks have reference count 0",
+    )
     group = np.asarray(pool.block_group)
     _require(((group == NOT_CACHED) | (group >= 0)).all(), "block_group below -1")
     return free
@@ -77,8 +81,10 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
     # Table shape per slot and group: NULL below first_live_idx and from the table length on.
     num_computed = np.asarray(state.num_computed)
     first_live = np.asarray(state.first_live_idx)
-    _require((num_computed >= 0).all() and (num_computed <= cfg.max_model_len).all(),
-             f"num_computed out of [0, max_model_len]: {num_computed}")
+    _require(
+        (num_computed >= 0).all() and (num_computed <= cfg.max_model_len).all(),
+        f"num_computed out of [0, max_model_len]: {num_computed}",
+    )
     idx = np.arange(max_blocks)
     for g in range(num_groups):
         bs = int(rules.block_size[g])
@@ -88,17 +94,23 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
             if n == 0:
                 _require(not row.any() and live == 0, f"empty slot {s} holds blocks in group {g}: {row[row != 0]}")
                 continue
-            _require((row[idx >= table_len] == NULL_BLOCK).all(),
-                     f"slot {s} group {g}: blocks past the table length {table_len}")
+            _require(
+                (row[idx >= table_len] == NULL_BLOCK).all(),
+                f"slot {s} group {g}: blocks past the table length {table_len}",
+            )
             _require((row[:live] == NULL_BLOCK).all(), f"slot {s} group {g}: blocks below first_live_idx {live}")
             if rules.kind[g] == MAMBA:
                 held = set(np.flatnonzero(row).tolist())
-                _require(table_len - 1 in held and held <= {live, table_len - 1},
-                         f"slot {s} state group {g}: holds indices {sorted(held)}, "
-                         f"expected the last ({table_len - 1}) and at most first_live_idx ({live})")
+                _require(
+                    table_len - 1 in held and held <= {live, table_len - 1},
+                    f"slot {s} state group {g}: holds indices {sorted(held)}, "
+                    f"expected the last ({table_len - 1}) and at most first_live_idx ({live})",
+                )
             else:
-                _require((row[live:table_len] != NULL_BLOCK).all(),
-                         f"slot {s} group {g}: a NULL_BLOCK inside the live range [{live}, {table_len})")
+                _require(
+                    (row[live:table_len] != NULL_BLOCK).all(),
+                    f"slot {s} group {g}: a NULL_BLOCK inside the live range [{live}, {table_len})",
+                )
 
     # Invariant 1: reference counts equal the live table entries holding each block, plus one per
     # pending copy naming it (source or destination: `jaxkv.prefix_tails`).
@@ -110,17 +122,21 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
         counts += np.bincount(np.concatenate([dst, copy_src[dst]]), minlength=num_blocks)
     counts[NULL_BLOCK] = 0
     bad = np.flatnonzero(counts != ref_cnt)
-    _require(bad.size == 0, f"blocks {bad[:8]} have ref_cnt {ref_cnt[bad[:8]]} but {counts[bad[:8]]} table "
-                            "entries and pending copies")
+    _require(
+        bad.size == 0,
+        f"blocks {bad[:8]} have ref_cnt {ref_cnt[bad[:8]]} but {counts[bad[:8]]} table entries and pending copies",
+    )
 
     free = check_pool(pool)
 
     # Invariant 2: num_free_blocks + distinct blocks in live tables (or pinned by a copy) == num_blocks − 1.
     num_free = int(pool.num_free_blocks)
     num_used = int((counts > 0).sum())
-    _require(num_free + num_used == num_blocks - 1,
-             f"num_free_blocks {num_free}, free blocks {len(free)}, blocks in tables or pinned {num_used}, "
-             f"num_blocks − 1 = {num_blocks - 1}")
+    _require(
+        num_free + num_used == num_blocks - 1,
+        f"num_free_blocks {num_free}, free blocks {len(free)}, blocks in tables or pinned {num_used}, "
+        f"num_blocks − 1 = {num_blocks - 1}",
+    )
 
     _require((np.asarray(pool.block_group) < num_groups).all(), "block_group names a group that does not exist")
     if state.prefix is not None:
@@ -145,12 +161,17 @@ def _check_prefix(state: ManagerState, rules, unit: int) -> None:
     group = np.asarray(pool.block_group)
     block_hash = np.asarray(pool.block_hash)
     cached = set(np.flatnonzero(group != NOT_CACHED).tolist())
-    _require(cached == set(by_block), f"cached blocks without an index entry: {sorted(cached - set(by_block))[:8]}, "
-                                      f"indexed blocks not marked cached: {sorted(set(by_block) - cached)[:8]}")
+    _require(
+        cached == set(by_block),
+        f"cached blocks without an index entry: {sorted(cached - set(by_block))[:8]}, "
+        f"indexed blocks not marked cached: {sorted(set(by_block) - cached)[:8]}",
+    )
     for block, (key, g) in by_block.items():
-        _require(group[block] == g and tuple(block_hash[block].tolist()) == key,
-                 f"block {block} is indexed under group {g} key {key}, the pool says group {group[block]} "
-                 f"key {tuple(block_hash[block].tolist())}")
+        _require(
+            group[block] == g and tuple(block_hash[block].tolist()) == key,
+            f"block {block} is indexed under group {g} key {key}, the pool says group {group[block]} "
+            f"key {tuple(block_hash[block].tolist())}",
+        )
     tables = np.asarray(state.block_tables)
     num_computed = np.asarray(state.num_computed)
     req_hashes = np.asarray(prefix.req_hashes)
@@ -160,8 +181,10 @@ def _check_prefix(state: ManagerState, rules, unit: int) -> None:
         bs = int(rules.block_size[g])
         for s in np.flatnonzero(num_computed).tolist():
             n = int(num_computed[s])
-            _require(num_cached[g, s] <= n // bs,
-                     f"slot {s} group {g}: cache progress {num_cached[g, s]} past its {n // bs} full blocks")
+            _require(
+                num_cached[g, s] <= n // bs,
+                f"slot {s} group {g}: cache progress {num_cached[g, s]} past its {n // bs} full blocks",
+            )
             for j in np.flatnonzero(tables[g, s]).tolist():
                 block = int(tables[g, s, j])
                 if group[block] == NOT_CACHED:
@@ -171,6 +194,8 @@ def _check_prefix(state: ManagerState, rules, unit: int) -> None:
                 keys = [tuple(req_hashes[s, k].tolist()) for k in key_units]
                 if (j + 1) * bs <= n and (j + 1) * bs // unit - 1 >= num_hashed[s]:
                     continue  # the block-end key is not uploaded: nothing to compare with
-                _require(by_block[block][0] in keys,
-                         f"slot {s} group {g} holds block {block} at index {j}, cached under a key that is not "
-                         f"one of its scheduled unit boundaries")
+                _require(
+                    by_block[block][0] in keys,
+                    f"slot {s} group {g} holds block {block} at index {j}, cached under a key that is not "
+                    f"one of its scheduled unit boundaries",
+                )

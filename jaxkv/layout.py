@@ -516,11 +516,12 @@ def copy_blocks(
     # Layer-outer bytes: rows of U bytes; block b of layer l of view t spans block_stride // U rows.
     unit = _row_unit(cfg)
     num_rows = cache.shape[0]
-    bases = sorted({(t.offset + l * t.layer_stride) // unit for t in cfg.tensors for l in range(len(t.layers))})
+    bases = sorted({(t.offset + layer * t.layer_stride) // unit for t in cfg.tensors for layer in range(len(t.layers))})
     span = max(t.block_stride for t in cfg.tensors) // unit
     if any(t.block_stride // unit != span for t in cfg.tensors):
-        raise ValueError(f"views of one buffer have different block strides: "
-                         f"{sorted({t.block_stride for t in cfg.tensors})}")
+        raise ValueError(
+            f"views of one buffer have different block strides: {sorted({t.block_stride for t in cfg.tensors})}"
+        )
     within = jnp.asarray(bases, jnp.int32)[:, None] + jnp.arange(span, dtype=jnp.int32)[None, :]  # [V, span]
     src_rows = within[None] + (src * span)[:, None, None]  # [C, V, span]
     dst_rows = jnp.where(valid[:, None, None], within[None] + (dst * span)[:, None, None], num_rows)

@@ -230,7 +230,7 @@ def _marks(data: dict, values: dict, layout: str) -> str:
 
 
 def _short(name: str) -> str:
-    """"model.layers.1.self_attn.attn" → "1.attn" for segment labels (the full name is the tooltip)."""
+    """ "model.layers.1.self_attn.attn" → "1.attn" for segment labels (the full name is the tooltip)."""
     return name.removeprefix("model.layers.").replace(".self_attn", "")
 
 

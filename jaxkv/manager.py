@@ -85,14 +85,25 @@ def _allocate_packed(state, rows, slot_counts, free_slots, uploads, released=Non
     live indices and cached blocks [R, G]; with `released`, then the copies int32[R × G × 3]): one argument
     and one transfer instead of several."""
     caching = prefix is not None
-    batch = StepBatch(req_slots=rows[0], num_new_tokens=rows[1], num_full_tokens=rows[2],
-                      num_hit_tokens=rows[3] if caching else None, num_shared_tokens=rows[4] if caching else None,
-                      num_prompt_tokens=None if released is None else rows[5], free_slots=free_slots,
-                      hash_uploads=uploads, released_copies=released, slot_counts=slot_counts)
+    batch = StepBatch(
+        req_slots=rows[0],
+        num_new_tokens=rows[1],
+        num_full_tokens=rows[2],
+        num_hit_tokens=rows[3] if caching else None,
+        num_shared_tokens=rows[4] if caching else None,
+        num_prompt_tokens=None if released is None else rows[5],
+        free_slots=free_slots,
+        hash_uploads=uploads,
+        released_copies=released,
+        slot_counts=slot_counts,
+    )
     state, result = allocate_step(state, batch, cfg=cfg, prefix=prefix, work=work)
-    out = [result.ok.astype(jnp.int32), jnp.stack([result.num_free_blocks, result.num_hit_tokens,
-                                                   result.num_unplanned]),
-           result.first_live.reshape(-1), result.num_cached.reshape(-1)]
+    out = [
+        result.ok.astype(jnp.int32),
+        jnp.stack([result.num_free_blocks, result.num_hit_tokens, result.num_unplanned]),
+        result.first_live.reshape(-1),
+        result.num_cached.reshape(-1),
+    ]
     if released is not None:
         out.append(result.copies.reshape(-1))
     return state, jnp.concatenate(out)
@@ -106,8 +117,15 @@ def _lookup_packed(state, keys, rows, *, cfg, prefix):
     """`st._lookup` with rows packed as int32[2, R] (keys given, tokens); result int32[2R + 4] (hits, shared
     lengths, then the stats: lookups, tokens, hit tokens, reconciliation misses)."""
     hits, shared, stats = st._lookup(state, keys, rows[0], rows[1], cfg=cfg, prefix=prefix)
-    return jnp.concatenate([hits, shared, jnp.stack([stats.num_lookups, stats.num_lookup_tokens, stats.num_hit_tokens,
-                                             stats.num_reconciliation_miss_tokens])])
+    return jnp.concatenate(
+        [
+            hits,
+            shared,
+            jnp.stack(
+                [stats.num_lookups, stats.num_lookup_tokens, stats.num_hit_tokens, stats.num_reconciliation_miss_tokens]
+            ),
+        ]
+    )
 
 
 _step_metadata = jax.jit(step_metadata, static_argnames=("cfg", "num_tokens"))
@@ -117,13 +135,16 @@ def _store_hashes(state, uploads):
     return dataclasses.replace(state, prefix=store_hashes(state.prefix, uploads))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
     """The transitions with `cfg` bound (not hashed per call), shared by managers of one config, and the
     set of specialised allocation programs compiled. The allocation is compiled once per work signature
     (`step.StepWork`, static) and shape; at most MAX_PROGRAMS specialised ones."""
-    allocate = jax.jit(functools.partial(_allocate_packed, cfg=cfg, prefix=prefix), static_argnames=("work",),
-                       donate_argnames=("state",))
+    allocate = jax.jit(
+        functools.partial(_allocate_packed, cfg=cfg, prefix=prefix),
+        static_argnames=("work",),
+        donate_argnames=("state",),
+    )
     free = jax.jit(functools.partial(st._free, cfg=cfg, prefix=prefix), donate_argnames=("state",))
     lookup = jax.jit(functools.partial(_lookup_packed, cfg=cfg, prefix=prefix))
     store = jax.jit(_store_hashes, donate_argnames=("state",))
@@ -154,9 +175,18 @@ class KVCacheManager:
     runs inside an on-device loop (`state.decode_steps`).
     """
 
-    def __init__(self, cfg: KVCacheConfig, max_num_seqs: int = 256, enable_prefix_caching: bool = True, *,
-                 debug_checks: bool = False, prefix_match_unit: int | None = None, hash_mode: HashMode = "jaxkv",
-                 specialize_steps: bool = True, device: jax.Device | None = None):
+    def __init__(
+        self,
+        cfg: KVCacheConfig,
+        max_num_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        *,
+        debug_checks: bool = False,
+        prefix_match_unit: int | None = None,
+        hash_mode: HashMode = "jaxkv",
+        specialize_steps: bool = True,
+        device: jax.Device | None = None,
+    ):
         if not isinstance(cfg, KVCacheConfig):
             raise TypeError(f"cfg must be a KVCacheConfig (from jaxkv.plan), got {type(cfg).__name__}")
         if int(max_num_seqs) <= 0:
@@ -169,14 +199,16 @@ class KVCacheManager:
         self.debug_checks = debug_checks
         self.specialize_steps = bool(specialize_steps)
         self.device = device
-        self.prefix_config = PrefixCacheConfig.for_config(cfg, prefix_match_unit) if self.enable_prefix_caching \
-            else None
+        self.prefix_config = (
+            PrefixCacheConfig.for_config(cfg, prefix_match_unit) if self.enable_prefix_caching else None
+        )
         self.hash_mode = hash_mode
         self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
         if device is not None:
             self._state = jax.device_put(self._state, device)
-        (self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn,
-         self._programs) = _jitted(cfg, self.prefix_config)
+        (self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn, self._programs) = (
+            _jitted(cfg, self.prefix_config)
+        )
         self._tails = self.prefix_config is not None and bool(partial_groups(cfg, self.prefix_config))
         self._num_prompt = np.zeros(self.max_num_seqs, np.int64)
         self._copies: list[np.ndarray] = []  # block copies not taken yet: int32[., 3]
@@ -210,8 +242,14 @@ class KVCacheManager:
         self.last_work: StepWork | None = None  # the last allocation's signature (None: no dispatch)
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int], cache_salt: str | None = None, *,
-                    unit_hasher: UnitHasher | None = None):
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        *,
+        unit_hasher: UnitHasher | None = None,
+    ):
         """Registers a request and its prompt; takes a slot, no blocks.
 
         With prefix caching the prompt's full units are hashed here, unless `unit_hasher`
@@ -225,27 +263,37 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} was already added; free it first or use a new id")
         if (cache_salt is not None or unit_hasher is not None) and not self.enable_prefix_caching:
             what = f"{cache_salt=}" if cache_salt is not None else "unit_hasher"
-            raise ValueError(f"{what} given, but prefix caching is off; "
-                             "drop it or create the manager with enable_prefix_caching=True")
+            raise ValueError(
+                f"{what} given, but prefix caching is off; "
+                "drop it or create the manager with enable_prefix_caching=True"
+            )
         if unit_hasher is not None:
             if cache_salt is not None:
                 raise ValueError(f"{cache_salt=} and unit_hasher given: the hasher carries the salt")
             if unit_hasher.unit != self.prefix_config.unit or unit_hasher.mode != self.hash_mode:
-                raise ValueError(f"unit_hasher hashes units of {unit_hasher.unit} tokens in mode "
-                                 f"{unit_hasher.mode!r}; this manager uses {self.prefix_config.unit}, "
-                                 f"{self.hash_mode!r}")
+                raise ValueError(
+                    f"unit_hasher hashes units of {unit_hasher.unit} tokens in mode "
+                    f"{unit_hasher.mode!r}; this manager uses {self.prefix_config.unit}, "
+                    f"{self.hash_mode!r}"
+                )
             if unit_hasher.num_tokens > len(prompt_token_ids):
-                raise ValueError(f"unit_hasher has taken {unit_hasher.num_tokens} tokens, the prompt of request "
-                                 f"{request_id!r} has {len(prompt_token_ids)}")
+                raise ValueError(
+                    f"unit_hasher has taken {unit_hasher.num_tokens} tokens, the prompt of request "
+                    f"{request_id!r} has {len(prompt_token_ids)}"
+                )
         if not self._free_slots:
-            raise ValueError(f"the manager already holds max_num_seqs={self.max_num_seqs} requests; "
-                             f"free one before adding {request_id!r}, or raise max_num_seqs")
+            raise ValueError(
+                f"the manager already holds max_num_seqs={self.max_num_seqs} requests; "
+                f"free one before adding {request_id!r}, or raise max_num_seqs"
+            )
         token_ids = list(prompt_token_ids)
         if not token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         if len(token_ids) > self.cfg.max_model_len:
-            raise ValueError(f"request {request_id!r} has {len(token_ids)} prompt tokens, more than "
-                             f"max_model_len={self.cfg.max_model_len}")
+            raise ValueError(
+                f"request {request_id!r} has {len(token_ids)} prompt tokens, more than "
+                f"max_model_len={self.cfg.max_model_len}"
+            )
         slot = self._free_slots.pop()
         self._slot_of[request_id] = slot
         self._token_ids[slot] = token_ids
@@ -258,8 +306,9 @@ class KVCacheManager:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
                 self._keys[slot] = unit_hasher.extend(token_ids)
             else:  # it may not have taken the last tokens yet (a manager hashes only completed units)
-                self._keys[slot] = np.concatenate([digests_to_keys(unit_hasher.digests),
-                                                   unit_hasher.extend(token_ids[unit_hasher.num_tokens:])])
+                self._keys[slot] = np.concatenate(
+                    [digests_to_keys(unit_hasher.digests), unit_hasher.extend(token_ids[unit_hasher.num_tokens :])]
+                )
             self._hashers[slot] = unit_hasher
             self._num_keys[slot] = len(self._keys[slot])
             self._num_hashed_tokens[slot] = len(token_ids)
@@ -292,9 +341,9 @@ class KVCacheManager:
         rows[0, : len(slots)] = num_units
         rows[1, : len(slots)] = self._num_tokens[slots]
         packed = np.asarray(self._lookup_fn(self._state, keys, rows))
-        for name, value in zip(PREFIX_STATS[:4], packed[2 * num_rows:].tolist()):
+        for name, value in zip(PREFIX_STATS[:4], packed[2 * num_rows :].tolist()):
             self.prefix_stats[name] += value
-        self._shared_len[slots] = packed[num_rows: num_rows + len(slots)]
+        self._shared_len[slots] = packed[num_rows : num_rows + len(slots)]
         return packed[: len(slots)].astype(np.int64)
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
@@ -311,8 +360,10 @@ class KVCacheManager:
         over = num_tokens > self.cfg.max_model_len
         if over.any():
             i = int(np.flatnonzero(over)[0])
-            raise ValueError(f"request {request_ids[i]!r} would have {num_tokens[i]} tokens, more than "
-                             f"max_model_len={self.cfg.max_model_len}")
+            raise ValueError(
+                f"request {request_ids[i]!r} would have {num_tokens[i]} tokens, more than "
+                f"max_model_len={self.cfg.max_model_len}"
+            )
         token_ids = self._token_ids
         for slot, ids in zip(slots.tolist(), new_token_ids):
             token_ids[slot].extend(ids)
@@ -324,7 +375,7 @@ class KVCacheManager:
 
     def _hash_new_units(self, slot: int) -> None:
         """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload."""
-        new_keys = self._hashers[slot].extend(self._token_ids[slot][self._num_hashed_tokens[slot]:])
+        new_keys = self._hashers[slot].extend(self._token_ids[slot][self._num_hashed_tokens[slot] :])
         self._num_hashed_tokens[slot] = self._num_tokens[slot]
         first = len(self._keys[slot])
         self._keys[slot] = np.concatenate([self._keys[slot], new_keys])
@@ -350,9 +401,14 @@ class KVCacheManager:
         """
         return bool(self.allocate_slots_batch([request_id], [num_new_tokens], [num_new_computed_tokens])[0])
 
-    def allocate_slots_batch(self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int],
-                             num_new_computed_tokens: Sequence[int] | None = None, *,
-                             full_sequence_must_fit: bool | Sequence[bool] = False) -> np.ndarray:
+    def allocate_slots_batch(
+        self,
+        request_ids: Sequence[Hashable],
+        num_new_tokens: Sequence[int],
+        num_new_computed_tokens: Sequence[int] | None = None,
+        *,
+        full_sequence_must_fit: bool | Sequence[bool] = False,
+    ) -> np.ndarray:
         """`allocate_slots` for many requests in priority order, in one dispatch.
 
         Returns ok bool[R]. The first request that does not fit, and every one
@@ -372,14 +428,18 @@ class KVCacheManager:
             bad = (hits > 0) & ((num_computed > 0) | (hits >= num_tokens) | (self.prefix_config is None))
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(f"num_new_computed_tokens={hits[i]} for request {request_ids[i]!r}: it must be 0 "
-                                 "or the value get_computed_tokens just returned, on the request's first call")
+                raise ValueError(
+                    f"num_new_computed_tokens={hits[i]} for request {request_ids[i]!r}: it must be 0 "
+                    "or the value get_computed_tokens just returned, on the request's first call"
+                )
         over = num_computed + hits + num_new > num_tokens
         if over.any():
             i = int(np.flatnonzero(over)[0])
-            raise ValueError(f"request {request_ids[i]!r} has {num_tokens[i]} tokens, "
-                             f"{num_computed[i] + hits[i]} computed: it cannot schedule {num_new[i]} more; "
-                             "append the tokens first (append_token_ids)")
+            raise ValueError(
+                f"request {request_ids[i]!r} has {num_tokens[i]} tokens, "
+                f"{num_computed[i] + hits[i]} computed: it cannot schedule {num_new[i]} more; "
+                "append the tokens first (append_token_ids)"
+            )
         full = np.zeros(len(slots), np.int64)
         if isinstance(full_sequence_must_fit, (bool, np.bool_)):
             if full_sequence_must_fit:
@@ -387,8 +447,10 @@ class KVCacheManager:
         else:
             must_fit = np.asarray(full_sequence_must_fit, bool)
             if must_fit.shape != slots.shape:
-                raise ValueError(f"full_sequence_must_fit has shape {must_fit.shape}; expected one flag per "
-                                 f"request ({len(slots)}) or a single bool")
+                raise ValueError(
+                    f"full_sequence_must_fit has shape {must_fit.shape}; expected one flag per "
+                    f"request ({len(slots)}) or a single bool"
+                )
             full[:] = np.where(must_fit, num_tokens, 0)
         if len(self._pending_free) > FREE_ROWS:
             self._flush_frees()
@@ -427,24 +489,28 @@ class KVCacheManager:
             rows[5, :m] = self._num_prompt[sel_slots]
             released = np.zeros(RELEASE_ROWS, np.int32)
             released[: len(self._release[:RELEASE_ROWS])] = self._release[:RELEASE_ROWS]
-        self._state, packed = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
-                                                released, work=work)
+        self._state, packed = self._allocate_fn(
+            self._state, rows, self._device_counts(), free_slots, uploads, released, work=work
+        )
         self._pending_free.clear()
         self._freed_counts.clear()
         self._pending_free_entries = 0
         packed = np.asarray(packed)
-        num_free, num_hit, num_unplanned = packed[num_rows: num_rows + 3].tolist()
+        num_free, num_hit, num_unplanned = packed[num_rows : num_rows + 3].tolist()
         if num_unplanned:
-            raise RuntimeError(f"the step's work signature {work} left out {num_unplanned} table entries it had: "
-                               "the manager's mirror of the device state is wrong (a bug; please report it)")
-        mirrored = packed[num_rows + 3:].reshape(-1)
+            raise RuntimeError(
+                f"the step's work signature {work} left out {num_unplanned} table entries it had: "
+                "the manager's mirror of the device state is wrong (a bug; please report it)"
+            )
+        mirrored = packed[num_rows + 3 :].reshape(-1)
         num_groups = len(self.cfg.groups)
         self._first_live[sel_slots] = mirrored[: num_rows * num_groups].reshape(num_rows, num_groups)[:m]
-        self._num_cached[sel_slots] = mirrored[num_rows * num_groups: 2 * num_rows * num_groups].reshape(
-            num_rows, num_groups)[:m]
+        self._num_cached[sel_slots] = mirrored[num_rows * num_groups : 2 * num_rows * num_groups].reshape(
+            num_rows, num_groups
+        )[:m]
         if self._tails:
             del self._release[:RELEASE_ROWS]
-            copies = mirrored[2 * num_rows * num_groups:].reshape(-1, 3)
+            copies = mirrored[2 * num_rows * num_groups :].reshape(-1, 3)
             copies = copies[copies[:, 1] != 0]
             if len(copies):
                 self._copies.append(copies)
@@ -542,8 +608,10 @@ class KVCacheManager:
     def _check_copies_taken(self) -> None:
         if self._copies:
             num = sum(len(c) for c in self._copies)
-            raise ValueError(f"{num} block copies of earlier allocations were not taken; call "
-                             "take_block_copies() and apply them (jaxkv.layout.copy_blocks) before the forward pass")
+            raise ValueError(
+                f"{num} block copies of earlier allocations were not taken; call "
+                "take_block_copies() and apply them (jaxkv.layout.copy_blocks) before the forward pass"
+            )
 
     # ---- freeing ---------------------------------------------------------------------------
     def free(self, request_id: Hashable) -> None:
@@ -561,8 +629,9 @@ class KVCacheManager:
         if holding.size:
             self._pending_free.extend(holding.tolist())
             self._freed_counts.update(zip(holding.tolist(), self._num_computed[holding].tolist()))
-            _, count, _ = st.held_ranges(self._num_computed[holding][:, None], self._first_live[holding], self._rules,
-                                         xp=np)
+            _, count, _ = st.held_ranges(
+                self._num_computed[holding][:, None], self._first_live[holding], self._rules, xp=np
+            )
             self._pending_free_entries += int(count.sum())
             self._num_free_blocks = None  # known again after the next dispatch (or a read)
         for request_id, slot in zip(request_ids, slots.tolist()):
@@ -686,9 +755,9 @@ class KVCacheManager:
             raise ValueError("adopt_state without take_state: the manager still holds its state")
         slots = self._slots(request_ids)
         self._state = state
-        num_computed, first_live, num_free = jax.device_get((state.num_computed[slots],
-                                                             state.first_live_idx[:, slots].T,
-                                                             state.pool.num_free_blocks))
+        num_computed, first_live, num_free = jax.device_get(
+            (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
+        )
         self._num_computed[slots] = num_computed
         self._first_live[slots] = first_live
         if state.prefix is not None:
@@ -707,8 +776,9 @@ class KVCacheManager:
         self._check_copies_taken()
         return st.block_tables(self.state, self._slots(request_ids))
 
-    def slot_mappings(self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int],
-                      num_tokens: int) -> jax.Array:
+    def slot_mappings(
+        self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int], num_tokens: int
+    ) -> jax.Array:
         """int32[G, T] on device: slots of the tokens just allocated (T = `num_tokens`, padded with −1).
 
         Raises if block copies were not taken (`take_block_copies`)."""
@@ -718,8 +788,14 @@ class KVCacheManager:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
         return st.slot_mappings(self.state, self._slots(request_ids), num_new, cfg=self.cfg, num_tokens=num_tokens)
 
-    def step_metadata(self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int], *, num_tokens: int,
-                      num_rows: int | None = None) -> StepMetadata:
+    def step_metadata(
+        self,
+        request_ids: Sequence[Hashable],
+        num_new_tokens: Sequence[int],
+        *,
+        num_tokens: int,
+        num_rows: int | None = None,
+    ) -> StepMetadata:
         """What the model needs for the step that just allocated `num_new_tokens` for `request_ids`
         (`jaxkv.metadata.StepMetadata`, on device): block tables, slot mappings, `seq_lens`,
         `query_start_loc` and positions, the tokens packed in request order into T = `num_tokens`
@@ -733,8 +809,13 @@ class KVCacheManager:
             raise ValueError(f"{num_rows=} cannot hold the {len(request_ids)} requests")
         if num_new.sum() > num_tokens:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
-        return _step_metadata(self.state, self._pad(self._slots(request_ids), num_rows, self.max_num_seqs),
-                              self._pad(num_new, num_rows, 0), cfg=self.cfg, num_tokens=num_tokens)
+        return _step_metadata(
+            self.state,
+            self._pad(self._slots(request_ids), num_rows, self.max_num_seqs),
+            self._pad(num_new, num_rows, 0),
+            cfg=self.cfg,
+            num_tokens=num_tokens,
+        )
 
     # ---- helpers ---------------------------------------------------------------------------
     def _slot(self, request_id: Hashable) -> int:
@@ -792,12 +873,12 @@ class KVCacheManager:
                 for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
                     if self._program_work(work, num_rows, free_slots is not None) != work:
                         continue
-                    self._state, _ = self._allocate_fn(self._state, rows, self._device_counts(), free_slots, uploads,
-                                                       released, work=work)
+                    self._state, _ = self._allocate_fn(
+                        self._state, rows, self._device_counts(), free_slots, uploads, released, work=work
+                    )
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
             self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
 
     def _check(self) -> None:
         if self.debug_checks:
             check_invariants(self.cfg, self._state, self.prefix_config)
-

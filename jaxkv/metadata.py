@@ -56,12 +56,16 @@ class StepMetadata:
         return self.cfg.tensors[tensor_idx].group_idx, layer_idx
 
 
-jax.tree_util.register_dataclass(StepMetadata, data_fields=["slot_mapping", "block_tables", "seq_lens",
-                                                            "query_start_loc", "positions"], meta_fields=["cfg"])
+jax.tree_util.register_dataclass(
+    StepMetadata,
+    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc", "positions"],
+    meta_fields=["cfg"],
+)
 
 
-def step_metadata(state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCacheConfig,
-                  num_tokens: int) -> StepMetadata:
+def step_metadata(
+    state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCacheConfig, num_tokens: int
+) -> StepMetadata:
     """The metadata of the step that just allocated `num_new_tokens` int32[R] tokens for the rows
     `req_slots` int32[R] (S marks padding), packed into T = `num_tokens` entries. Pure; call it
     after the allocation, with the same rows (inside jit, `cfg` and `num_tokens` static)."""
@@ -74,13 +78,28 @@ def step_metadata(state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCach
     token_row = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right"), k.shape[0] - 1)
     real = token < query_start_loc[-1]
     positions = jnp.where(real, seq_lens[token_row] - query_start_loc[token_row + 1] + token, 0)
-    return StepMetadata(slot_mapping=_slot_mappings(state, req_slots, k, cfg=cfg, num_tokens=num_tokens),
-                        block_tables=_block_tables(state, req_slots), seq_lens=seq_lens,
-                        query_start_loc=query_start_loc, positions=positions, cfg=cfg)
+    return StepMetadata(
+        slot_mapping=_slot_mappings(state, req_slots, k, cfg=cfg, num_tokens=num_tokens),
+        block_tables=_block_tables(state, req_slots),
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        positions=positions,
+        cfg=cfg,
+    )
 
 
-def attend(q, k, v, cache, meta: StepMetadata, *, layer: str, sm_scale: float | None = None,
-           logits_soft_cap: float | None = None, kernels: tuple[Callable, Callable] | None = None):
+def attend(
+    q,
+    k,
+    v,
+    cache,
+    meta: StepMetadata,
+    *,
+    layer: str,
+    sm_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    kernels: tuple[Callable, Callable] | None = None,
+):
     """Writes layer `layer`'s K/V of this step into the cache and attends over it.
 
     q: [T, QH, D]; k: [T, H, D]; v: [T, H, Dv]; cache: the plan's buffer (`allocate_cache`). The
@@ -93,18 +112,30 @@ def attend(q, k, v, cache, meta: StepMetadata, *, layer: str, sm_scale: float | 
     group_idx, layer_idx = meta.layer(layer)
     spec = meta.cfg.groups[group_idx].spec
     if isinstance(spec, (MambaSpec, MLAAttentionSpec)):
-        raise ValueError(f"layer {layer!r} has a {type(spec).__name__}: attend writes and reads K|V rows of "
-                         "attention layers; give state and MLA layers their own kernels")
+        raise ValueError(
+            f"layer {layer!r} has a {type(spec).__name__}: attend writes and reads K|V rows of "
+            "attention layers; give state and MLA layers their own kernels"
+        )
     if kernels is None:
         from pallas_kernels.paged_attention import paged_attention
         from pallas_kernels.paged_scatter import paged_scatter
+
         kernels = paged_scatter, paged_attention
     scatter, attention = kernels
     rows = jnp.concatenate([k, v], axis=-1).astype(cache.dtype)  # [T, H, D + Dv]
     cache = scatter(cache, rows, meta.slot_mapping[group_idx], layer_idx, layout=meta.cfg.layout)
     # A FullAttentionSpec of a plan made with hybrid=False still carries the layer's window or chunk.
-    out = attention(q.astype(cache.dtype), cache, meta.query_start_loc, meta.seq_lens, meta.block_tables[group_idx],
-                    layer_idx, sliding_window=getattr(spec, "sliding_window", None),
-                    attention_chunk_size=getattr(spec, "attention_chunk_size", None), sm_scale=sm_scale,
-                    logits_soft_cap=logits_soft_cap, layout=meta.cfg.layout)
+    out = attention(
+        q.astype(cache.dtype),
+        cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables[group_idx],
+        layer_idx,
+        sliding_window=getattr(spec, "sliding_window", None),
+        attention_chunk_size=getattr(spec, "attention_chunk_size", None),
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        layout=meta.cfg.layout,
+    )
     return out, cache

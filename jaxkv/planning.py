@@ -40,8 +40,8 @@ from jaxkv.specs import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
 
 GROUPINGS = ("auto", "vllm")
 
+# Capacity gain "auto" needs before it takes a grouping with more groups (each costs a block table and per-step work).
 AUTO_MIN_GAIN = 0.01
-"""Capacity gain "auto" needs before it takes a grouping with more groups (each costs a block table and per-step work)."""
 
 Groups = tuple[KVCacheGroup, ...]
 
@@ -302,11 +302,7 @@ def _check_fits(groups: Groups, available_bytes: int, max_model_len: int, mnbt: 
     if needed + bytes_per_block <= available_bytes:
         return
     longest = longest_max_model_len(groups, available_bytes, mnbt, max_model_len)
-    hint = (
-        f"the longest max_model_len that fits is {longest:,}"
-        if longest
-        else "not even a 1-token request fits"
-    )
+    hint = f"the longest max_model_len that fits is {longest:,}" if longest else "not even a 1-token request fits"
     raise ValueError(
         f"available_bytes={available_bytes:,} cannot hold one request of max_model_len={max_model_len:,}: it needs "
         f"{needed:,} B plus the null block ({bytes_per_block:,} B); {hint}. "
@@ -340,7 +336,9 @@ def _merge(specs: list[KVCacheSpec]) -> KVCacheSpec | None:
     chunks = {s.attention_chunk_size for s in specs} - {None}
     if len(windows) > 1 or len(chunks) > 1 or (windows and chunks):
         return None
-    return dataclasses.replace(first, sliding_window=next(iter(windows), None), attention_chunk_size=next(iter(chunks), None))
+    return dataclasses.replace(
+        first, sliding_window=next(iter(windows), None), attention_chunk_size=next(iter(chunks), None)
+    )
 
 
 def _same_blocks(specs: list[KVCacheSpec]) -> bool:

@@ -70,9 +70,7 @@ class PoolState:
     block_group: jax.Array
 
 
-jax.tree_util.register_dataclass(
-    PoolState, data_fields=[f.name for f in dataclasses.fields(PoolState)], meta_fields=[]
-)
+jax.tree_util.register_dataclass(PoolState, data_fields=[f.name for f in dataclasses.fields(PoolState)], meta_fields=[])
 
 
 def init_pool(num_blocks: int) -> PoolState:
@@ -156,8 +154,12 @@ def pop(pool: PoolState, num_blocks, size: int) -> tuple[PoolState, jax.Array]:
 
     def contiguous(pool):
         blocks = pool.free_ring[jnp.mod(pool.ring_head + window, capacity)]
-        return pool.ring_head + num_blocks, pool.ring_count - num_blocks, num_blocks, \
-            jnp.where(window < num_blocks, blocks, NULL_BLOCK)
+        return (
+            pool.ring_head + num_blocks,
+            pool.ring_count - num_blocks,
+            num_blocks,
+            jnp.where(window < num_blocks, blocks, NULL_BLOCK),
+        )
 
     def skipping(pool):
         def not_done(carry):
@@ -228,8 +230,13 @@ def release(pool: PoolState, blocks, valid, evict_first=None) -> PoolState:
     # Compact first if the pushes could overflow the ring (stale entries of blocks
     # freed now are still invalid: their counts are not lowered yet).
     ring_fields = (pool.free_ring, pool.queue_pos, pool.ring_head, pool.ring_count)
-    ring_fields = lax.cond(pool.ring_count + jnp.sum(valid, dtype=jnp.int32) > capacity,
-                           _compact, lambda *fields: fields[:4], *ring_fields, pool.ref_cnt)
+    ring_fields = lax.cond(
+        pool.ring_count + jnp.sum(valid, dtype=jnp.int32) > capacity,
+        _compact,
+        lambda *fields: fields[:4],
+        *ring_fields,
+        pool.ref_cnt,
+    )
     free_ring, queue_pos, head, count = ring_fields
     # The decrement depends on the compaction's result (count is ≥ 0), so XLA orders
     # the compaction's read of ref_cnt first and updates it in place.
@@ -313,8 +320,9 @@ def claim(pool: PoolState, blocks, valid) -> tuple[PoolState, jax.Array]:
     finds_free = valid & (pool.ref_cnt[safe_blocks] == 0) & (safe_blocks != NULL_BLOCK)
     ref_cnt, was_free = first_entries(pool.ref_cnt, blocks, finds_free, 0)
     ref_cnt = ref_cnt.at[jnp.where(valid, blocks, num_pool_blocks)].add(1, mode="drop")
-    pool = dataclasses.replace(pool, ref_cnt=ref_cnt,
-                               num_free_blocks=pool.num_free_blocks - jnp.sum(was_free, dtype=jnp.int32))
+    pool = dataclasses.replace(
+        pool, ref_cnt=ref_cnt, num_free_blocks=pool.num_free_blocks - jnp.sum(was_free, dtype=jnp.int32)
+    )
     return pool, was_free
 
 
@@ -330,8 +338,9 @@ def unclaim(pool: PoolState, blocks, valid) -> PoolState:
     safe_blocks = jnp.where(valid, blocks, NULL_BLOCK)
     ref_cnt = pool.ref_cnt.at[jnp.where(valid, blocks, num_pool_blocks)].add(-1, mode="drop")
     ref_cnt, first = first_entries(ref_cnt, blocks, valid & (ref_cnt[safe_blocks] == 0), 0)
-    return dataclasses.replace(pool, ref_cnt=ref_cnt,
-                               num_free_blocks=pool.num_free_blocks + jnp.sum(first, dtype=jnp.int32))
+    return dataclasses.replace(
+        pool, ref_cnt=ref_cnt, num_free_blocks=pool.num_free_blocks + jnp.sum(first, dtype=jnp.int32)
+    )
 
 
 def mark_cached(pool: PoolState, blocks, block_hash, group_idx, valid) -> PoolState:

@@ -91,8 +91,9 @@ def num_buckets_for(num_entries: int, ways: int = DEFAULT_WAYS) -> int:
     return 1 << max(0, (-(-4 * num_entries // ways) - 1).bit_length())
 
 
-def init_index(num_blocks: int, num_groups: int, num_entries: int | None = None,
-               ways: int = DEFAULT_WAYS) -> IndexState:
+def init_index(
+    num_blocks: int, num_groups: int, num_entries: int | None = None, ways: int = DEFAULT_WAYS
+) -> IndexState:
     """An empty index for `num_groups` groups, sized for `num_entries` entries (default: one per block)."""
     if ways <= 0 or num_groups <= 0:
         raise ValueError(f"{ways=} and {num_groups=} must be positive")
@@ -149,22 +150,27 @@ def _insert_round(index: IndexState, bucket, keys, blocks, claim, pending):
     filling = present[:, None] & given & (found_fields == NULL_BLOCK)
     creating = pending & ~present & jnp.any(empty, axis=1) & jnp.any(given, axis=1)
     new_slot = bucket * num_ways + jnp.argmax(empty, axis=1).astype(jnp.int32)
-    target_row = jnp.concatenate([jnp.where(filling, found_slot[:, None], num_slots),
-                                  jnp.where(creating, new_slot, num_slots)[:, None]], axis=1)  # [E, G + 1]
-    target_col = jnp.concatenate([jnp.broadcast_to(FIELDS + jnp.arange(num_groups, dtype=jnp.int32), given.shape),
-                                  jnp.full((given.shape[0], 1), COUNT_WORD, jnp.int32)], axis=1)
+    target_row = jnp.concatenate(
+        [jnp.where(filling, found_slot[:, None], num_slots), jnp.where(creating, new_slot, num_slots)[:, None]], axis=1
+    )  # [E, G + 1]
+    target_col = jnp.concatenate(
+        [
+            jnp.broadcast_to(FIELDS + jnp.arange(num_groups, dtype=jnp.int32), given.shape),
+            jnp.full((given.shape[0], 1), COUNT_WORD, jnp.int32),
+        ],
+        axis=1,
+    )
     flat = flat.at[target_row, target_col].max(claim[:, None], mode="drop")
-    won = (target_row < num_slots) & (flat.at[target_row, target_col].get(mode="fill", fill_value=0)
-                                      == claim[:, None])
+    won = (target_row < num_slots) & (flat.at[target_row, target_col].get(mode="fill", fill_value=0) == claim[:, None])
     filled, created = won[:, :num_groups], won[:, num_groups]
     # Winners write: the filled fields and their counts, the created entries whole.
     fill_row = jnp.where(filled, found_slot[:, None], num_slots)
     flat = flat.at[fill_row, target_col[:, :num_groups]].set(blocks.astype(jnp.uint32), mode="drop")
     num_filled = jnp.sum(filled, axis=1, dtype=jnp.uint32)
-    flat = flat.at[jnp.where(jnp.any(filled, axis=1), found_slot, num_slots), COUNT_WORD].add(num_filled,
-                                                                                          mode="drop")
-    entry = jnp.concatenate([keys.astype(jnp.uint32), jnp.sum(given, axis=1, dtype=jnp.uint32)[:, None],
-                             blocks.astype(jnp.uint32)], axis=1)
+    flat = flat.at[jnp.where(jnp.any(filled, axis=1), found_slot, num_slots), COUNT_WORD].add(num_filled, mode="drop")
+    entry = jnp.concatenate(
+        [keys.astype(jnp.uint32), jnp.sum(given, axis=1, dtype=jnp.uint32)[:, None], blocks.astype(jnp.uint32)], axis=1
+    )
     flat = flat.at[jnp.where(created, new_slot, num_slots)].set(entry, mode="drop")
     placed = filled | (created[:, None] & given)
     slot = jnp.where(created, new_slot, found_slot)
@@ -203,8 +209,11 @@ def insert(index: IndexState, keys, blocks, valid) -> tuple[IndexState, jax.Arra
         index, pending, placed = carry
         rank = count_prefix(pending) - 1
         chosen = pending & (rank < width)
-        pick = jnp.zeros(width, jnp.int32).at[jnp.where(chosen, rank, width)].set(
-            jnp.arange(num_entries, dtype=jnp.int32), mode="drop")
+        pick = (
+            jnp.zeros(width, jnp.int32)
+            .at[jnp.where(chosen, rank, width)]
+            .set(jnp.arange(num_entries, dtype=jnp.int32), mode="drop")
+        )
         in_pick = jnp.arange(width) < jnp.sum(chosen)
         index, won, still = _insert_round(index, bucket[pick], keys[pick], blocks[pick], claim[pick], in_pick)
         back = jnp.where(in_pick, pick, num_entries)
@@ -270,15 +279,17 @@ def check_index(index: IndexState) -> dict[int, tuple[tuple[int, ...], int]]:
         assert slot // num_ways == key[0] & (num_buckets - 1), f"key {key} sits in bucket {slot // num_ways}"
         assert key not in seen_keys, f"key {key} has two entries"
         seen_keys.add(key)
-        assert slots[slot, COUNT_WORD] == np.count_nonzero(fields), \
+        assert slots[slot, COUNT_WORD] == np.count_nonzero(fields), (
             f"entry of key {key} counts {slots[slot, COUNT_WORD]} blocks, holds {np.count_nonzero(fields)}"
+        )
         for g in np.flatnonzero(fields).tolist():
             block = int(fields[g])
             assert 0 < block < block_slot.shape[0], f"index slot {slot} holds block {block}, outside the pool"
             assert block not in by_block, f"block {block} has two index fields"
             by_block[block] = (key, g)
-            assert block_slot[block] == slot * num_groups + g, \
+            assert block_slot[block] == slot * num_groups + g, (
                 f"block_slot[{block}] is {block_slot[block]}, its field is {slot * num_groups + g}"
+            )
     stray = sorted(set(np.flatnonzero(block_slot != NOT_INDEXED).tolist()) - set(by_block))
     assert not stray, f"blocks {stray[:8]} have a block_slot but no index field"
     return by_block

@@ -73,8 +73,9 @@ class PrefixCacheConfig:
             raise ValueError(f"ways={self.ways!r} must be a positive int")
 
     @classmethod
-    def for_config(cls, cfg: KVCacheConfig, prefix_match_unit: int | None = None,
-                   ways: int = DEFAULT_WAYS) -> PrefixCacheConfig:
+    def for_config(
+        cls, cfg: KVCacheConfig, prefix_match_unit: int | None = None, ways: int = DEFAULT_WAYS
+    ) -> PrefixCacheConfig:
         """The unit is `prefix_match_unit`, or the gcd of the groups' block sizes."""
         block_sizes = sorted({g.block_size for g in cfg.groups})
         unit = math.gcd(*block_sizes) if prefix_match_unit is None else prefix_match_unit
@@ -82,8 +83,10 @@ class PrefixCacheConfig:
             raise ValueError(f"prefix_match_unit={prefix_match_unit!r} must be a positive int")
         bad = [b for b in block_sizes if b % unit]
         if bad:
-            raise ValueError(f"prefix_match_unit={unit} must divide every group's block size; it does not divide "
-                             f"{bad}. Use a divisor of {math.gcd(*block_sizes)}")
+            raise ValueError(
+                f"prefix_match_unit={unit} must divide every group's block size; it does not divide "
+                f"{bad}. Use a divisor of {math.gcd(*block_sizes)}"
+            )
         return cls(unit=unit, ways=ways)
 
     def num_units(self, cfg: KVCacheConfig) -> int:
@@ -177,8 +180,10 @@ def check_prefix_config(cfg: KVCacheConfig, prefix_state: PrefixState, prefix: P
     """Trace-time check that the static config fits the state; returns the config to use."""
     prefix = prefix or PrefixCacheConfig.for_config(cfg)
     if prefix_state.req_hashes.shape[1] != prefix.num_units(cfg):
-        raise ValueError(f"the state holds {prefix_state.req_hashes.shape[1]} units per request but {prefix} "
-                         f"gives {prefix.num_units(cfg)}: pass the PrefixCacheConfig the state was made with")
+        raise ValueError(
+            f"the state holds {prefix_state.req_hashes.shape[1]} units per request but {prefix} "
+            f"gives {prefix.num_units(cfg)}: pass the PrefixCacheConfig the state was made with"
+        )
     return prefix
 
 
@@ -261,8 +266,9 @@ def _walk_units(state, slots, block_start, block_count, rules, prefix, chunk_siz
     def walk_body(size):
         def walk_chunk(chunk_idx, carry):
             in_range, row, offset = range_chunk(layout, chunk_idx, size)
-            unit, block_idx, wanted = _unit_blocks(first_k[row] + offset, units_per_block, block_start[row],
-                                                   block_count[row])
+            unit, block_idx, wanted = _unit_blocks(
+                first_k[row] + offset, units_per_block, block_start[row], block_count[row]
+            )
             slot = slots[row]
             keys = req_hashes.at[slot, jnp.clip(unit, 0, num_units - 1)].get(mode="fill", fill_value=0)
             return body(carry, in_range, row, slot, unit, block_idx, wanted & in_range[:, None], keys)
@@ -301,8 +307,7 @@ def claim_hits(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, 
         tables = state.block_tables.reshape(-1).at[flat.reshape(-1)].set(block.reshape(-1), mode="drop")
         row = jnp.where(in_range, row, num_rows)
         num_found = num_found.at[row].add(jnp.sum(found, axis=1, dtype=jnp.int32), mode="drop")
-        num_taken = num_taken.at[row].add(jnp.sum(was_free.reshape(found.shape), axis=1, dtype=jnp.int32),
-                                          mode="drop")
+        num_taken = num_taken.at[row].add(jnp.sum(was_free.reshape(found.shape), axis=1, dtype=jnp.int32), mode="drop")
         return dataclasses.replace(state, pool=pool, block_tables=tables.reshape(shape)), num_found, num_taken
 
     zeros = jnp.zeros(num_rows, jnp.int32)
@@ -342,8 +347,11 @@ def unclaim_hits(state, slots, start, count, *, chunk_sizes):
             tables = state.block_tables.reshape(-1)
             block = tables.at[idx].get(mode="fill", fill_value=NULL_BLOCK)
             null = jnp.where(block < 0, block, NULL_BLOCK)  # depends on the read: in-place write
-            return dataclasses.replace(state, pool=unclaim(state.pool, block, block != NULL_BLOCK),
-                                       block_tables=tables.at[idx].set(null, mode="drop").reshape(shape))
+            return dataclasses.replace(
+                state,
+                pool=unclaim(state.pool, block, block != NULL_BLOCK),
+                block_tables=tables.at[idx].set(null, mode="drop").reshape(shape),
+            )
 
         return unclaim_chunk
 
@@ -365,8 +373,11 @@ def count_sole_holders(state, slots, start, count, *, chunk_sizes):
     def count_body(size):
         def count_chunk(chunk_idx, num_sole):
             in_range, row, flat = _table_entries(layout, chunk_idx, size, first, shape[0])
-            block = state.block_tables.reshape(-1).at[jnp.where(in_range, flat, tables_size)].get(
-                mode="fill", fill_value=NULL_BLOCK)
+            block = (
+                state.block_tables.reshape(-1)
+                .at[jnp.where(in_range, flat, tables_size)]
+                .get(mode="fill", fill_value=NULL_BLOCK)
+            )
             sole = (block != NULL_BLOCK) & (state.pool.ref_cnt[block] == 1)
             return num_sole.at[jnp.where(in_range, row, num_rows)].add(sole.astype(jnp.int32), mode="drop")
 
@@ -402,9 +413,11 @@ def _uncache_blocks(state, blocks, valid):
     block_group, first = first_entries(state.pool.block_group, blocks, valid, NOT_CACHED)
     free = first & (state.pool.ref_cnt[jnp.where(valid, blocks, NULL_BLOCK)] == 0)
     pool, _ = claim(dataclasses.replace(state.pool, block_group=block_group), blocks, free)  # out of the order
-    return dataclasses.replace(state, pool=release(pool, blocks, free),  # uncached now: pushed at the head
-                               prefix=dataclasses.replace(state.prefix, index=remove(state.prefix.index, blocks,
-                                                                                     first)))
+    return dataclasses.replace(
+        state,
+        pool=release(pool, blocks, free),  # uncached now: pushed at the head
+        prefix=dataclasses.replace(state.prefix, index=remove(state.prefix.index, blocks, first)),
+    )
 
 
 def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheConfig, chunk_sizes):
@@ -440,14 +453,17 @@ def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheC
         state = run_if(jnp.any(old), lambda state: _uncache_blocks(state, indexed, old), state)
         state, placed = index_blocks(state, keys, blocks, in_range)
         stamped = jnp.where(placed, blocks, num_blocks).reshape(-1)
-        return dataclasses.replace(state, prefix=dataclasses.replace(state.prefix, cached_in_pass=(
-            state.prefix.cached_in_pass.at[stamped].set(this_pass, mode="drop"))))
+        return dataclasses.replace(
+            state,
+            prefix=dataclasses.replace(
+                state.prefix, cached_in_pass=(state.prefix.cached_in_pass.at[stamped].set(this_pass, mode="drop"))
+            ),
+        )
 
     return _walk_units(state, slots, start, count, rules, prefix, chunk_sizes, body, state)
 
 
-def cache_state_blocks(state, slots, num_computed, *, state_groups: tuple[int, ...], rules,
-                       prefix: PrefixCacheConfig):
+def cache_state_blocks(state, slots, num_computed, *, state_groups: tuple[int, ...], rules, prefix: PrefixCacheConfig):
     """Indexes the blocks of the state groups `state_groups` (static) whose rows' last step ended at a block end.
 
     slots: int32[R] (S: padding); num_computed: int32[R] tokens the rows' finished steps
@@ -462,7 +478,9 @@ def cache_state_blocks(state, slots, num_computed, *, state_groups: tuple[int, .
     block_idx = n // rules.block_size[None, :] - 1  # [R, G]
     in_slot = (slots >= 0) & (slots < num_slots)
     safe_slot = jnp.where(in_slot, slots, 0)
-    block = state.block_tables[np.arange(num_groups)[None, :], safe_slot[:, None], jnp.clip(block_idx, 0, max_blocks - 1)]
+    block = state.block_tables[
+        np.arange(num_groups)[None, :], safe_slot[:, None], jnp.clip(block_idx, 0, max_blocks - 1)
+    ]
     hashed = state.prefix.num_hashed_units[safe_slot] * prefix.unit >= n[:, 0]
     wanted = is_state[None, :] & (n > 0) & (n % rules.block_size[None, :] == 0) & (block != NULL_BLOCK)
     wanted &= state.pool.block_group[block] == NOT_CACHED
@@ -479,12 +497,14 @@ def hit_rules(cfg: KVCacheConfig) -> tuple[HitRule, ...]:
 def partial_groups(cfg: KVCacheConfig, prefix: PrefixCacheConfig) -> tuple[int, ...]:
     """The groups where a hit may end inside a block (static): full-attention and state groups whose
     block is larger than the unit (see `jaxkv.prefix_tails`)."""
-    return tuple(g for g, group in enumerate(cfg.groups)
-                 if group.kind in ("full", "mamba") and group.block_size > prefix.unit)
+    return tuple(
+        g for g, group in enumerate(cfg.groups) if group.kind in ("full", "mamba") and group.block_size > prefix.unit
+    )
 
 
-def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig, prefix: PrefixCacheConfig,
-           chunk_sizes) -> tuple[jax.Array, PrefixStats]:
+def lookup(
+    index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig, prefix: PrefixCacheConfig, chunk_sizes
+) -> tuple[jax.Array, PrefixStats]:
     """The longest prefix-cache hit of each request, valid for every group; changes nothing.
 
     keys:       uint32[R, X, 4] the requests' unit keys (from the host)
@@ -532,15 +552,20 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
             cached = cached.reshape(-1).at[flat].set(True, mode="drop").reshape(cached.shape)
             if partial:
                 flat = (row[:, None] * num_groups + np.arange(num_groups)[None, :]) * num_keys_max + unit[:, None]
-                at_unit = at_unit.reshape(-1).at[jnp.where(found, flat, at_unit.size)].set(
-                    True, mode="drop").reshape(at_unit.shape)
+                at_unit = (
+                    at_unit.reshape(-1)
+                    .at[jnp.where(found, flat, at_unit.size)]
+                    .set(True, mode="drop")
+                    .reshape(at_unit.shape)
+                )
             return cached, at_unit
 
         return probe_chunk
 
     at_unit = jnp.zeros((num_rows, num_groups, num_keys_max if partial else 0), bool)
-    cached, at_unit = in_chunks(layout[-1], chunk_sizes, probe_body,
-                                (jnp.zeros((num_rows, num_groups, max_width), bool), at_unit))
+    cached, at_unit = in_chunks(
+        layout[-1], chunk_sizes, probe_body, (jnp.zeros((num_rows, num_groups, max_width), bool), at_unit)
+    )
     step = prefix.unit if partial else math.gcd(*block_sizes.tolist())
     hit_lens = np.arange(0, num_keys_max * prefix.unit + 1, step, dtype=np.int32)  # the grid
     below = hit_lens[None, :] <= bound[:, None]  # [R, grid]
@@ -551,8 +576,7 @@ def lookup(index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
     group_ok = jnp.take_along_axis(valid, grid_blocks[None], axis=2) & on_block[None]
     for g in partial:
         # key(h) indexed for group g: at_unit[unit h / u − 1] (h = 0: nothing needed).
-        keyed = jnp.concatenate([jnp.ones((num_rows, 1), bool), at_unit[:, g, hit_lens[1:] // prefix.unit - 1]],
-                                axis=1)
+        keyed = jnp.concatenate([jnp.ones((num_rows, 1), bool), at_unit[:, g, hit_lens[1:] // prefix.unit - 1]], axis=1)
         if rules[g].kind == "full":
             keyed = valid[:, g, grid_blocks[g]] & (on_block[g] | keyed)
         group_ok = group_ok.at[:, g].set(keyed)

@@ -68,8 +68,9 @@ def tail_len(prefix_state, slots, unit: int):
 def set_prompt_len(prefix_state, scatter_slots, num_prompt_tokens):
     """Records the rows' prompt lengths int32[R] (0: unknown, nothing recorded) at `scatter_slots` (S: padding)."""
     slots = jnp.where(num_prompt_tokens > 0, scatter_slots, prefix_state.prompt_len.shape[0])
-    return dataclasses.replace(prefix_state, prompt_len=prefix_state.prompt_len.at[slots].set(
-        num_prompt_tokens, mode="drop"))
+    return dataclasses.replace(
+        prefix_state, prompt_len=prefix_state.prompt_len.at[slots].set(num_prompt_tokens, mode="drop")
+    )
 
 
 def release_copies(state, dst_blocks):
@@ -82,8 +83,7 @@ def release_copies(state, dst_blocks):
     entry = jnp.arange(num_entries, dtype=jnp.int32)
     valid = (dst_blocks > NULL_BLOCK) & (dst_blocks < num_blocks)
     safe = jnp.where(valid, dst_blocks, NULL_BLOCK)
-    first = jnp.full(num_blocks, num_entries, jnp.int32).at[jnp.where(valid, safe, num_blocks)].min(
-        entry, mode="drop")
+    first = jnp.full(num_blocks, num_entries, jnp.int32).at[jnp.where(valid, safe, num_blocks)].min(entry, mode="drop")
     valid &= (copy_src[safe] != NULL_BLOCK) & (first[safe] == entry)
     src = copy_src[safe]
     pairs = jnp.stack([src, safe], axis=1).reshape(-1)
@@ -113,19 +113,33 @@ def _pop_into(state, flat_idx, want):
     pool, popped = pop(state.pool, jnp.sum(want, dtype=jnp.int32), size)
     rank = count_prefix(want) - 1
     blocks = jnp.where(want, popped[jnp.clip(rank, 0, size - 1)], NULL_BLOCK)
-    tables = state.block_tables.reshape(-1).at[jnp.where(want, flat_idx, tables_size(shape))].set(
-        blocks, mode="drop").reshape(shape)
+    tables = (
+        state.block_tables.reshape(-1)
+        .at[jnp.where(want, flat_idx, tables_size(shape))]
+        .set(blocks, mode="drop")
+        .reshape(shape)
+    )
     index = remove(state.prefix.index, popped, popped != NULL_BLOCK)
-    return dataclasses.replace(state, pool=pool, block_tables=tables,
-                               prefix=dataclasses.replace(state.prefix, index=index)), blocks
+    return dataclasses.replace(
+        state, pool=pool, block_tables=tables, prefix=dataclasses.replace(state.prefix, index=index)
+    ), blocks
 
 
 def tables_size(shape) -> int:
     return shape[0] * shape[1] * shape[2]
 
 
-def register_tails(state, slots, num_computed, *, block_size: np.ndarray, unit: int,
-                   full_groups: tuple[int, ...], state_groups: tuple[int, ...], move: bool):
+def register_tails(
+    state,
+    slots,
+    num_computed,
+    *,
+    block_size: np.ndarray,
+    unit: int,
+    full_groups: tuple[int, ...],
+    state_groups: tuple[int, ...],
+    move: bool,
+):
     """Indexes the rows' prompt-tail blocks (see the module docstring), one entry per row under key(p*).
 
     slots: int32[R] (S: padding); num_computed: int32[R] tokens the rows' finished steps
@@ -215,8 +229,9 @@ def place_tails(state, slots, hit_len, src, cow, *, block_size: np.ndarray):
     return state, jnp.where(pinned[:, :, None], copies, 0)
 
 
-def unindex_filled_tails(state, slots, num_tokens, filled_from, *, block_size: np.ndarray, unit: int,
-                         full_groups: tuple[int, ...]):
+def unindex_filled_tails(
+    state, slots, num_tokens, filled_from, *, block_size: np.ndarray, unit: int, full_groups: tuple[int, ...]
+):
     """Takes out of the index the rows' partially indexed tail blocks that their scheduled tokens
     now fill, so that `cache_full_blocks` indexes them under their block-end key.
 
@@ -241,6 +256,10 @@ def unindex_filled_tails(state, slots, num_tokens, filled_from, *, block_size: n
     block = block.reshape(-1)
     index = remove(state.prefix.index, block, filled)
     block_group = state.pool.block_group.at[jnp.where(filled, block, state.pool.ref_cnt.shape[0])].set(
-        NOT_CACHED, mode="drop")
-    return dataclasses.replace(state, pool=dataclasses.replace(state.pool, block_group=block_group),
-                               prefix=dataclasses.replace(state.prefix, index=index))
+        NOT_CACHED, mode="drop"
+    )
+    return dataclasses.replace(
+        state,
+        pool=dataclasses.replace(state.pool, block_group=block_group),
+        prefix=dataclasses.replace(state.prefix, index=index),
+    )

@@ -30,8 +30,11 @@ def range_layout(count, max_entries: int):
     nonempty = count > 0
     scans = cumsum(jnp.stack([count, nonempty.astype(jnp.int32)]), bound=max_entries)  # one scan for both
     ends, nonempty_rank = scans[0], scans[1] - 1
-    nonempty_ids = jnp.zeros(num_ranges, jnp.int32).at[jnp.where(nonempty, nonempty_rank, num_ranges)].set(
-        jnp.arange(num_ranges, dtype=jnp.int32), mode="drop")
+    nonempty_ids = (
+        jnp.zeros(num_ranges, jnp.int32)
+        .at[jnp.where(nonempty, nonempty_rank, num_ranges)]
+        .set(jnp.arange(num_ranges, dtype=jnp.int32), mode="drop")
+    )
     return ends - count, nonempty, nonempty_ids, ends[-1]
 
 

@@ -162,7 +162,11 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         if num_tokens <= 0:
             return 0
         last = num_tokens - 1
-        return last // self.block_size - (last // self.attention_chunk_size * self.attention_chunk_size) // self.block_size + 1
+        return (
+            last // self.block_size
+            - (last // self.attention_chunk_size * self.attention_chunk_size) // self.block_size
+            + 1
+        )
 
 
 @_spec

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.config import KVCacheConfig
 from jaxkv import prefix_state as ps
 from jaxkv import prefix_tails as pt
+from jaxkv.config import KVCacheConfig
 from jaxkv.pool import PoolState, cumsum, init_pool, pop, release
 from jaxkv.prefix_cache import remove
 from jaxkv.ranges import in_chunks as _in_chunks
@@ -87,8 +87,9 @@ class AllocateResult:
     copies: jax.Array
 
 
-jax.tree_util.register_dataclass(AllocateResult, data_fields=["ok", "num_free_blocks", "num_hit_tokens", "copies"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    AllocateResult, data_fields=["ok", "num_free_blocks", "num_hit_tokens", "copies"], meta_fields=[]
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ class GroupRules:
         return len(self.block_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def group_rules(cfg: KVCacheConfig) -> GroupRules:
     def column(values):
         return np.asarray(values, np.int32)
@@ -127,10 +128,11 @@ def group_rules(cfg: KVCacheConfig) -> GroupRules:
     chunk = column([g.spec.attention_chunk_size if g.kind == "chunked_local" else 1 for g in groups])
     chunked, full = kind == CHUNKED_LOCAL, kind == FULL
     return GroupRules(
-        block_size=block_size, kind=kind, window=window, chunk=chunk,
-        max_blocks=column(
-            [g.spec.blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens) for g in groups]
-        ),
+        block_size=block_size,
+        kind=kind,
+        window=window,
+        chunk=chunk,
+        max_blocks=column([g.spec.blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens) for g in groups]),
         keep_offset=np.where(kind == SLIDING_WINDOW, 1 - window, np.where(kind == MAMBA, -1, 0)).astype(np.int32),
         keep_unit=np.where(chunked, chunk, np.where(full, 1, block_size)).astype(np.int32),
         keep_scale=np.where(chunked, chunk, np.where(full, 0, 1)).astype(np.int32),
@@ -317,29 +319,50 @@ def _forget_rows(state: ManagerState, req_slots, rules: GroupRules):
     return state, ranges, num_blocks
 
 
-def _allocate(state: ManagerState, req_slots, num_new_tokens, num_full_tokens=None, free_slots=None,
-              num_hit_tokens=None, hash_uploads=None, num_prompt_tokens=None, released_copies=None,
-              num_shared_tokens=None, *, cfg: KVCacheConfig,
-              chunk_sizes: tuple[int, ...] | None = None,
-              prefix: ps.PrefixCacheConfig | None = None) -> tuple[ManagerState, AllocateResult]:
+def _allocate(
+    state: ManagerState,
+    req_slots,
+    num_new_tokens,
+    num_full_tokens=None,
+    free_slots=None,
+    num_hit_tokens=None,
+    hash_uploads=None,
+    num_prompt_tokens=None,
+    released_copies=None,
+    num_shared_tokens=None,
+    *,
+    cfg: KVCacheConfig,
+    chunk_sizes: tuple[int, ...] | None = None,
+    prefix: ps.PrefixCacheConfig | None = None,
+) -> tuple[ManagerState, AllocateResult]:
     """Makes room for `num_new_tokens` int32[R] more tokens of each request `req_slots` int32[R],
     in priority order: `jaxkv.step.allocate_step` with the parts of its `StepBatch` given as
     arguments (same names and meanings) and every walk sized at run time. Jitted as `allocate`
     (config, chunk sizes and prefix config static, state donated)."""
     from jaxkv.step import StepBatch, allocate_step  # the step is built from this module's pieces
 
-    batch = StepBatch(req_slots=req_slots, num_new_tokens=num_new_tokens, num_full_tokens=num_full_tokens,
-                      num_hit_tokens=num_hit_tokens, num_shared_tokens=num_shared_tokens,
-                      num_prompt_tokens=num_prompt_tokens, free_slots=free_slots, hash_uploads=hash_uploads,
-                      released_copies=released_copies)
+    batch = StepBatch(
+        req_slots=req_slots,
+        num_new_tokens=num_new_tokens,
+        num_full_tokens=num_full_tokens,
+        num_hit_tokens=num_hit_tokens,
+        num_shared_tokens=num_shared_tokens,
+        num_prompt_tokens=num_prompt_tokens,
+        free_slots=free_slots,
+        hash_uploads=hash_uploads,
+        released_copies=released_copies,
+    )
     return allocate_step(state, batch, cfg=cfg, prefix=prefix, chunk_sizes=chunk_sizes)
 
 
 def _partial_groups(rules: GroupRules, prefix: ps.PrefixCacheConfig):
     """(bool[G] mask, full-attention groups, state groups) where hits may end inside a block (static)."""
     mask = ((rules.kind == FULL) | (rules.kind == MAMBA)) & (rules.block_size > prefix.unit)
-    return (mask, tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == FULL))),
-            tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == MAMBA))))
+    return (
+        mask,
+        tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == FULL))),
+        tuple(int(g) for g in np.flatnonzero(mask & (rules.kind == MAMBA))),
+    )
 
 
 def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes):
@@ -348,21 +371,39 @@ def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.P
     cache progress are forgotten. Pinned copies stay pinned."""
     row, slots, scatter_slots = _rows(state, req_slots)
     num_computed = jnp.where(row, state.num_computed[slots], 0)
-    state = ps.cache_state_blocks(state, scatter_slots, num_computed,
-                                  state_groups=tuple(int(g) for g in np.flatnonzero(rules.kind == MAMBA)),
-                                  rules=rules, prefix=prefix)
+    state = ps.cache_state_blocks(
+        state,
+        scatter_slots,
+        num_computed,
+        state_groups=tuple(int(g) for g in np.flatnonzero(rules.kind == MAMBA)),
+        rules=rules,
+        prefix=prefix,
+    )
     partial_mask, full_partial, state_partial = _partial_groups(rules, prefix)
     if partial_mask.any():
-        state, _ = pt.register_tails(state, scatter_slots, num_computed, block_size=rules.block_size,
-                                     unit=prefix.unit, full_groups=full_partial, state_groups=state_partial,
-                                     move=False)
+        state, _ = pt.register_tails(
+            state,
+            scatter_slots,
+            num_computed,
+            block_size=rules.block_size,
+            unit=prefix.unit,
+            full_groups=full_partial,
+            state_groups=state_partial,
+            move=False,
+        )
     state, ranges, _ = _forget_rows(state, req_slots, rules)
     state = dataclasses.replace(state, prefix=ps.forget_slots(state.prefix, scatter_slots))
     return _release_ranges(state, ranges, sizes)
 
 
-def _free(state: ManagerState, req_slots, *, cfg: KVCacheConfig, chunk_sizes: tuple[int, ...] | None = None,
-          prefix: ps.PrefixCacheConfig | None = None) -> ManagerState:
+def _free(
+    state: ManagerState,
+    req_slots,
+    *,
+    cfg: KVCacheConfig,
+    chunk_sizes: tuple[int, ...] | None = None,
+    prefix: ps.PrefixCacheConfig | None = None,
+) -> ManagerState:
     """Frees requests: every block they hold loses a reference; the slots become empty.
 
     req_slots: int32[R] distinct slots; S marks a padding row. Per request the
@@ -409,8 +450,15 @@ def _block_tables(state: ManagerState, req_slots):
     return state.block_tables.at[:, req_slots, :].get(mode="fill", fill_value=NULL_BLOCK)
 
 
-def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_steps: int,
-                  chunk_sizes: tuple[int, ...] | None = None, prefix: ps.PrefixCacheConfig | None = None):
+def _decode_steps(
+    state: ManagerState,
+    req_slots,
+    *,
+    cfg: KVCacheConfig,
+    num_steps: int,
+    chunk_sizes: tuple[int, ...] | None = None,
+    prefix: ps.PrefixCacheConfig | None = None,
+):
     """Runs `num_steps` decode steps on device: each allocates one token per row.
 
     req_slots: int32[R]. A row that does not fit in a step stalls for that step
@@ -425,8 +473,9 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     row = (req_slots >= 0) & (req_slots < state.num_computed.shape[0])
 
     def step(state, _):
-        state, result = _allocate(state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_sizes=chunk_sizes,
-                                  prefix=prefix)
+        state, result = _allocate(
+            state, req_slots, row.astype(jnp.int32), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix
+        )
         ok = result.ok.astype(jnp.int32)
         return state, (result.ok, _slot_mappings(state, req_slots, ok, cfg=cfg, num_tokens=req_slots.shape[0]))
 
@@ -434,8 +483,16 @@ def _decode_steps(state: ManagerState, req_slots, *, cfg: KVCacheConfig, num_ste
     return state, ok, slot_mapping
 
 
-def _lookup(state: ManagerState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig,
-            prefix: ps.PrefixCacheConfig | None = None, chunk_sizes: tuple[int, ...] | None = None):
+def _lookup(
+    state: ManagerState,
+    keys,
+    num_keys,
+    num_tokens,
+    *,
+    cfg: KVCacheConfig,
+    prefix: ps.PrefixCacheConfig | None = None,
+    chunk_sizes: tuple[int, ...] | None = None,
+):
     """The longest prefix-cache hit of each request, valid for every group; changes nothing.
 
     keys: uint32[R, X, 4] the requests' unit keys; num_keys: int32[R] (0: padding row);
@@ -454,5 +511,6 @@ free = jax.jit(_free, static_argnames=("cfg", "chunk_sizes", "prefix"), donate_a
 lookup = jax.jit(_lookup, static_argnames=("cfg", "prefix", "chunk_sizes"))
 slot_mappings = jax.jit(_slot_mappings, static_argnames=("cfg", "num_tokens"))
 block_tables = jax.jit(_block_tables)
-decode_steps = jax.jit(_decode_steps, static_argnames=("cfg", "num_steps", "chunk_sizes", "prefix"),
-                       donate_argnames=("state",))
+decode_steps = jax.jit(
+    _decode_steps, static_argnames=("cfg", "num_steps", "chunk_sizes", "prefix"), donate_argnames=("state",)
+)

@@ -57,9 +57,25 @@ from jaxkv.config import KVCacheConfig
 from jaxkv.pool import cumsum
 from jaxkv.ranges import run_if, table_ranges
 from jaxkv.specs import NULL_BLOCK
-from jaxkv.state import (CHUNKED_LOCAL, FULL, MAMBA, SLIDING_WINDOW, AllocateResult, GroupRules, ManagerState,
-                         _fill_ranges, _forget_rows, _free_cached, _partial_groups, _release_ranges, _rows, allocation_ranges,
-                         default_chunk_sizes, group_rules, keep_from_idx)
+from jaxkv.state import (
+    CHUNKED_LOCAL,
+    FULL,
+    MAMBA,
+    SLIDING_WINDOW,
+    AllocateResult,
+    GroupRules,
+    ManagerState,
+    _fill_ranges,
+    _forget_rows,
+    _free_cached,
+    _partial_groups,
+    _release_ranges,
+    _rows,
+    allocation_ranges,
+    default_chunk_sizes,
+    group_rules,
+    keep_from_idx,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +112,7 @@ class StepBatch:
     slot_counts: jax.Array | None = None
 
 
-jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in dataclasses.fields(StepBatch)],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in dataclasses.fields(StepBatch)], meta_fields=[])
 
 _PREFIX_PARTS = ("num_hit_tokens", "num_shared_tokens", "num_prompt_tokens", "hash_uploads", "released_copies")
 
@@ -145,8 +160,9 @@ class _Context:
 
     def tail_args(self):
         _, full_groups, state_groups = self.partial_groups()
-        return dict(block_size=self.rules.block_size, unit=self.prefix.unit, full_groups=full_groups,
-                    state_groups=state_groups)
+        return dict(
+            block_size=self.rules.block_size, unit=self.prefix.unit, full_groups=full_groups, state_groups=state_groups
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,9 +210,11 @@ class StepResult(AllocateResult):
     num_unplanned: jax.Array = None
 
 
-jax.tree_util.register_dataclass(StepResult, data_fields=["ok", "num_free_blocks", "num_hit_tokens", "copies",
-                                                          "first_live", "num_cached", "num_unplanned"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    StepResult,
+    data_fields=["ok", "num_free_blocks", "num_hit_tokens", "copies", "first_live", "num_cached", "num_unplanned"],
+    meta_fields=[],
+)
 
 
 def _unplanned(walk, total):
@@ -247,8 +265,14 @@ def store_keys(state: ManagerState, batch: StepBatch, ctx: _Context) -> ManagerS
 def view_rows(state: ManagerState, batch: StepBatch) -> _Rows:
     row, slots, scatter_slots = _rows(state, batch.req_slots)
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]
-    return _Rows(row=row, slots=slots, scatter_slots=scatter_slots, n=n,
-                 k=jnp.where(row, batch.num_new_tokens, 0)[:, None], first_call=row & (n[:, 0] == 0))
+    return _Rows(
+        row=row,
+        slots=slots,
+        scatter_slots=scatter_slots,
+        n=n,
+        k=jnp.where(row, batch.num_new_tokens, 0)[:, None],
+        first_call=row & (n[:, 0] == 0),
+    )
 
 
 def register_finished_states(state: ManagerState, rows: _Rows, ctx: _Context):
@@ -258,8 +282,9 @@ def register_finished_states(state: ManagerState, rows: _Rows, ctx: _Context):
     if state.prefix is None:
         return state, copies
     state_groups = tuple(int(g) for g in np.flatnonzero(ctx.rules.kind == MAMBA))
-    state = ps.cache_state_blocks(state, rows.scatter_slots, rows.n[:, 0], state_groups=state_groups,
-                                  rules=ctx.rules, prefix=ctx.prefix)
+    state = ps.cache_state_blocks(
+        state, rows.scatter_slots, rows.n[:, 0], state_groups=state_groups, rules=ctx.rules, prefix=ctx.prefix
+    )
     if ctx.partial_groups()[0].any():
         state, copies = pt.register_tails(state, rows.scatter_slots, rows.n[:, 0], move=True, **ctx.tail_args())
     return state, copies
@@ -294,13 +319,16 @@ def claim_hits(state: ManagerState, batch: StepBatch, rows: _Rows, ctx: _Context
         if walk != 0:
             state, num_found, num_taken_free = run_if(
                 jnp.any(hit_ok),
-                lambda carry: ps.claim_hits(carry[0], rows.slots, claim_start, claim_count, rules=rules,
-                                            prefix=ctx.prefix, chunk_sizes=walk),
-                (state, num_taken_free, num_taken_free))
+                lambda carry: ps.claim_hits(
+                    carry[0], rows.slots, claim_start, claim_count, rules=rules, prefix=ctx.prefix, chunk_sizes=walk
+                ),
+                (state, num_taken_free, num_taken_free),
+            )
             hit_ok = hit_ok & (num_found == jnp.sum(claim_count, axis=1))
         if partial_mask.any():
-            state, tail_src, tails_found, tails_taken = pt.claim_tails(state, rows.slots, hit_len[:, 0], partial,
-                                                                       unit=ctx.prefix.unit)
+            state, tail_src, tails_found, tails_taken = pt.claim_tails(
+                state, rows.slots, hit_len[:, 0], partial, unit=ctx.prefix.unit
+            )
             hit_ok = hit_ok & tails_found
             num_taken_free = num_taken_free + tails_taken
     n = jnp.where(hit_ok[:, None], hit_len, rows.n)
@@ -309,10 +337,23 @@ def claim_hits(state: ManagerState, batch: StepBatch, rows: _Rows, ctx: _Context
     # Copy-on-write: a hit inside block j takes a fresh block at j (a state group only if its step writes j).
     cow = partial & hit_ok[:, None] & ((rules.kind == FULL) | (hit_len + rows.k <= (hit_blocks + 1) * rules.block_size))
     rows = dataclasses.replace(
-        rows, n=n, hit=hit, hit_ok=hit_ok, hit_len=hit_len, claim_start=claim_start, claim_count=claim_count,
-        partial=partial, cow=cow, tail_src=tail_src, num_taken_free=num_taken_free, first_live=first_live,
-        keep=keep, num_released=jnp.where(rows.row[:, None], num_released, 0),
-        first_new=jnp.where(cow, hit_blocks, first_new), need=need + cow)
+        rows,
+        n=n,
+        hit=hit,
+        hit_ok=hit_ok,
+        hit_len=hit_len,
+        claim_start=claim_start,
+        claim_count=claim_count,
+        partial=partial,
+        cow=cow,
+        tail_src=tail_src,
+        num_taken_free=num_taken_free,
+        first_live=first_live,
+        keep=keep,
+        num_released=jnp.where(rows.row[:, None], num_released, 0),
+        first_new=jnp.where(cow, hit_blocks, first_new),
+        need=need + cow,
+    )
     return state, rows, unplanned
 
 
@@ -327,16 +368,20 @@ def _num_freed_by_releases(state: ManagerState, rows: _Rows, num_take, num_free,
     rules = ctx.rules
     if state.prefix is None:
         shape = state.block_tables.shape
-        old_state_block = state.block_tables[jnp.arange(shape[0])[None, :], rows.slots[:, None],
-                                             jnp.minimum(rows.first_live, shape[2] - 1)]
+        old_state_block = state.block_tables[
+            jnp.arange(shape[0])[None, :], rows.slots[:, None], jnp.minimum(rows.first_live, shape[2] - 1)
+        ]
         num_freed = jnp.where((rules.kind == MAMBA) & (old_state_block == NULL_BLOCK), 0, rows.num_released)
         return jnp.sum(num_freed, axis=1)
     all_fit = jnp.sum(num_take) + jnp.max(jnp.maximum(full_take - num_take, 0)) <= num_free
     walk = ctx.walk("release")
     if walk == 0:
         return jnp.zeros_like(num_take)
-    return run_if(~all_fit, lambda _: ps.count_sole_holders(state, rows.slots, rows.first_live, rows.num_released,
-                                                             chunk_sizes=walk), jnp.zeros_like(num_take))
+    return run_if(
+        ~all_fit,
+        lambda _: ps.count_sole_holders(state, rows.slots, rows.first_live, rows.num_released, chunk_sizes=walk),
+        jnp.zeros_like(num_take),
+    )
 
 
 def gate_rows(state: ManagerState, batch: StepBatch, rows: _Rows, num_free, ctx: _Context) -> _Rows:
@@ -350,8 +395,7 @@ def gate_rows(state: ManagerState, batch: StepBatch, rows: _Rows, num_free, ctx:
     if batch.num_full_tokens is not None:
         full = jnp.where(rows.row, batch.num_full_tokens, 0)[:, None]
         full_blocks = jnp.minimum(-(-full // rules.block_size), rules.max_blocks)
-        full_take = jnp.sum(jnp.maximum(full_blocks - -(-rows.n // rules.block_size), 0), axis=1) \
-            + rows.num_taken_free
+        full_take = jnp.sum(jnp.maximum(full_blocks - -(-rows.n // rules.block_size), 0), axis=1) + rows.num_taken_free
     num_freed = _num_freed_by_releases(state, rows, num_take, num_free, full_take, ctx)
     scans = cumsum(jnp.stack([num_take, num_freed]), bound=num_take.shape[0] * num_groups * max_blocks)
     take_before = scans[0] - num_take
@@ -374,9 +418,11 @@ def unclaim_failed(state: ManagerState, batch: StepBatch, rows: _Rows, ctx: _Con
     # At most every claimed entry: K block-end units claim at most K entries per group.
     walk = ctx.sizes if ctx.work.claim is None else ctx.work.claim * ctx.rules.num_groups
     unclaim_count = jnp.where(rows.ok[:, None], 0, rows.claim_count)
-    state = run_if(jnp.any(unclaim_count > 0),
-                   lambda state: ps.unclaim_hits(state, rows.slots, rows.claim_start, unclaim_count,
-                                                 chunk_sizes=walk), state)
+    state = run_if(
+        jnp.any(unclaim_count > 0),
+        lambda state: ps.unclaim_hits(state, rows.slots, rows.claim_start, unclaim_count, chunk_sizes=walk),
+        state,
+    )
     if ctx.partial_groups()[0].any():
         state = pt.unclaim_tails(state, rows.tail_src, rows.ok)
     return state
@@ -399,8 +445,9 @@ def release_behind_windows(state: ManagerState, rows: _Rows, freed_ranges, ctx: 
     unplanned = _unplanned(walk, jnp.sum(ranges[0]))
     state = _release_ranges(state, ranges, walk, evict_from)
     # A failed hit row keeps its own (empty) table's first live index, not its claim's.
-    new_first_live = jnp.where((rows.releasing | (rows.ok & rows.hit_ok))[:, None], rows.keep,
-                               state.first_live_idx[:, rows.slots].T)
+    new_first_live = jnp.where(
+        (rows.releasing | (rows.ok & rows.hit_ok))[:, None], rows.keep, state.first_live_idx[:, rows.slots].T
+    )
     first_live_idx = state.first_live_idx.at[:, rows.scatter_slots].set(new_first_live.T, mode="drop")
     return dataclasses.replace(state, first_live_idx=first_live_idx), unplanned
 
@@ -422,9 +469,14 @@ def place_tails(state: ManagerState, rows: _Rows, ctx: _Context):
     copies = jnp.zeros((rows.row.shape[0], ctx.rules.num_groups, 3), jnp.int32)
     if not ctx.partial_groups()[0].any():
         return state, copies
-    return pt.place_tails(state, rows.slots, rows.hit_len[:, 0], jnp.where(rows.ok[:, None], rows.tail_src,
-                                                                             NULL_BLOCK),
-                          rows.cow, block_size=ctx.rules.block_size)
+    return pt.place_tails(
+        state,
+        rows.slots,
+        rows.hit_len[:, 0],
+        jnp.where(rows.ok[:, None], rows.tail_src, NULL_BLOCK),
+        rows.cow,
+        block_size=ctx.rules.block_size,
+    )
 
 
 def index_filled_blocks(state: ManagerState, batch: StepBatch, rows: _Rows, ctx: _Context):
@@ -434,12 +486,19 @@ def index_filled_blocks(state: ManagerState, batch: StepBatch, rows: _Rows, ctx:
     num_slots = state.num_computed.shape[0]
     ok_slots = jnp.where(rows.ok, rows.slots, num_slots)
     hit_blocks = rows.hit_len // rules.block_size
-    cache_from = jnp.where((rows.ok & rows.hit_ok)[:, None], hit_blocks, state.prefix.num_cached_blocks[:, rows.slots].T)
+    cache_from = jnp.where(
+        (rows.ok & rows.hit_ok)[:, None], hit_blocks, state.prefix.num_cached_blocks[:, rows.slots].T
+    )
     _, full_partial, _ = ctx.partial_groups()
     if full_partial:
         tail_args = ctx.tail_args()
-        state = pt.unindex_filled_tails(state, ok_slots, (rows.n + rows.k)[:, 0], cache_from, **{
-            key: tail_args[key] for key in ("block_size", "unit", "full_groups")})
+        state = pt.unindex_filled_tails(
+            state,
+            ok_slots,
+            (rows.n + rows.k)[:, 0],
+            cache_from,
+            **{key: tail_args[key] for key in ("block_size", "unit", "full_groups")},
+        )
     hashed_len = state.prefix.num_hashed_units[rows.slots] * prefix.unit
     full_blocks = jnp.minimum(rows.n + rows.k, hashed_len[:, None]) // rules.block_size  # [R, G]
     attention = rows.ok[:, None] & (rules.kind != MAMBA)
@@ -447,24 +506,34 @@ def index_filled_blocks(state: ManagerState, batch: StepBatch, rows: _Rows, ctx:
     walk = ctx.walk("index")
     unplanned = _unplanned(walk, ps.walk_length(cache_from, cache_count, rules, prefix))
     if walk != 0:
-        state = ps.cache_full_blocks(state, rows.slots, cache_from, cache_count, rules=rules, prefix=prefix,
-                                     chunk_sizes=walk)
+        state = ps.cache_full_blocks(
+            state, rows.slots, cache_from, cache_count, rules=rules, prefix=prefix, chunk_sizes=walk
+        )
     num_cached = jnp.where(attention, jnp.maximum(cache_from, full_blocks), 0)
-    prefix_state = dataclasses.replace(state.prefix, num_cached_blocks=state.prefix.num_cached_blocks.at[
-        :, ok_slots].set(num_cached.T, mode="drop"))
+    prefix_state = dataclasses.replace(
+        state.prefix, num_cached_blocks=state.prefix.num_cached_blocks.at[:, ok_slots].set(num_cached.T, mode="drop")
+    )
     if batch.num_shared_tokens is not None:  # on a request's first call
         admitted = jnp.where(rows.ok & rows.first_call, rows.slots, num_slots)
-        prefix_state = dataclasses.replace(prefix_state, shared_len=prefix_state.shared_len.at[admitted].set(
-            jnp.maximum(batch.num_shared_tokens, 0), mode="drop"))
+        prefix_state = dataclasses.replace(
+            prefix_state,
+            shared_len=prefix_state.shared_len.at[admitted].set(jnp.maximum(batch.num_shared_tokens, 0), mode="drop"),
+        )
     return dataclasses.replace(state, prefix=prefix_state), unplanned
 
 
 # ---- the step ------------------------------------------------------------------------------------
 
 
-def allocate_step(state: ManagerState, batch: StepBatch, *, cfg: KVCacheConfig,
-                  prefix: ps.PrefixCacheConfig | None = None, work: StepWork = StepWork(),
-                  chunk_sizes: tuple[int, ...] | None = None) -> tuple[ManagerState, StepResult]:
+def allocate_step(
+    state: ManagerState,
+    batch: StepBatch,
+    *,
+    cfg: KVCacheConfig,
+    prefix: ps.PrefixCacheConfig | None = None,
+    work: StepWork = StepWork(),
+    chunk_sizes: tuple[int, ...] | None = None,
+) -> tuple[ManagerState, StepResult]:
     """Runs one step's phases (see the module docstring). `cfg`, `prefix`, `work` and `chunk_sizes`
     are static; `chunk_sizes`: loop step sizes of walks sized at run time (default
     `state.default_chunk_sizes`). Returns the state and a StepResult. Jitted as `allocate`
@@ -475,11 +544,14 @@ def allocate_step(state: ManagerState, batch: StepBatch, *, cfg: KVCacheConfig,
     else:
         given = [name for name in _PREFIX_PARTS if getattr(batch, name) is not None]
         if given:
-            raise ValueError(f"{' / '.join(given)} given, but the state has no prefix cache; make it with "
-                             "init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))")
+            raise ValueError(
+                f"{' / '.join(given)} given, but the state has no prefix cache; make it with "
+                "init_state(cfg, max_num_seqs, prefix=PrefixCacheConfig.for_config(cfg))"
+            )
         prefix = None
-    ctx = _Context(rules=rules, prefix=prefix, sizes=chunk_sizes or default_chunk_sizes(cfg, batch.req_slots.shape[0]),
-                   work=work)
+    ctx = _Context(
+        rules=rules, prefix=prefix, sizes=chunk_sizes or default_chunk_sizes(cfg, batch.req_slots.shape[0]), work=work
+    )
     with jax.named_scope("sync_counts"):
         state = sync_counts(state, batch)
         state = state if batch.released_copies is None else pt.release_copies(state, batch.released_copies)
@@ -513,9 +585,14 @@ def allocate_step(state: ManagerState, batch: StepBatch, *, cfg: KVCacheConfig,
         num_cached = state.prefix.num_cached_blocks[:, rows.slots].T
         num_hit = jnp.sum(jnp.where(rows.ok & rows.hit_ok, rows.hit_len[:, 0], 0))
     return state, StepResult(
-        ok=rows.ok, num_free_blocks=state.pool.num_free_blocks, num_hit_tokens=num_hit, copies=copies,
-        first_live=state.first_live_idx[:, rows.slots].T, num_cached=num_cached,
-        num_unplanned=unplanned_free + unplanned_claim + unplanned_release + unplanned_take + unplanned_index)
+        ok=rows.ok,
+        num_free_blocks=state.pool.num_free_blocks,
+        num_hit_tokens=num_hit,
+        copies=copies,
+        first_live=state.first_live_idx[:, rows.slots].T,
+        num_cached=num_cached,
+        num_unplanned=unplanned_free + unplanned_claim + unplanned_release + unplanned_take + unplanned_index,
+    )
 
 
 allocate = jax.jit(allocate_step, static_argnames=("cfg", "prefix", "work", "chunk_sizes"), donate_argnames=("state",))

@@ -28,108 +28,106 @@ BACKENDS = ("triton", "mosaic")
 
 
 def filter_triton_deprecation() -> None:
-  """Ignores jax >= 0.11's "The Pallas Triton backend is deprecated ..." warning.
+    """Ignores jax >= 0.11's "The Pallas Triton backend is deprecated ..." warning.
 
-  It is raised when a Triton pallas_call is lowered, which is when the
-  caller's outermost jit compiles, after the kernel's entry has returned, so a
-  filter scoped to the call cannot see it. The entries call this at trace
-  time: a process-wide filter for that message only, re-installed on every
-  trace so that a `warnings.catch_warnings` block around the caller (pytest
-  wraps each test in one) still gets it.
-  """
-  warnings.filterwarnings("ignore", message=r"(?is).*triton.*deprecat", category=Warning)
+    It is raised when a Triton pallas_call is lowered, which is when the
+    caller's outermost jit compiles, after the kernel's entry has returned, so a
+    filter scoped to the call cannot see it. The entries call this at trace
+    time: a process-wide filter for that message only, re-installed on every
+    trace so that a `warnings.catch_warnings` block around the caller (pytest
+    wraps each test in one) still gets it.
+    """
+    warnings.filterwarnings("ignore", message=r"(?is).*triton.*deprecat", category=Warning)
 
 
 filter_triton_deprecation()
 
 
 def check_layout(layout: str) -> None:
-  if layout not in LAYOUTS:
-    raise ValueError(f"{layout=} is not one of {LAYOUTS}.")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} is not one of {LAYOUTS}.")
 
 
 def cache_dims(cache_shape: Sequence[int], layout: str) -> dict[str, int]:
-  """Maps each axis letter of `layout` to its size in `cache_shape`."""
-  check_layout(layout)
-  if len(cache_shape) != 5:
-    raise ValueError(
-        f"cache must have 5 dimensions ({layout}), got shape {tuple(cache_shape)}."
-    )
-  return dict(zip(layout, cache_shape))
+    """Maps each axis letter of `layout` to its size in `cache_shape`."""
+    check_layout(layout)
+    if len(cache_shape) != 5:
+        raise ValueError(f"cache must have 5 dimensions ({layout}), got shape {tuple(cache_shape)}.")
+    return dict(zip(layout, cache_shape))
 
 
-def cache_index(layout: str, *, b, l, h, n, c) -> tuple:
-  """The index tuple, in `layout` order, of block b, layer l, head h, token n, channel c."""
-  where = {"B": b, "L": l, "H": h, "N": n, "C": c}
-  return tuple(where[axis] for axis in layout)
+def cache_index(layout: str, *, b, layer, h, n, c) -> tuple:
+    """The index tuple, in `layout` order, of block b, layer l, head h, token n, channel c."""
+    where = {"B": b, "L": layer, "H": h, "N": n, "C": c}
+    return tuple(where[axis] for axis in layout)
 
 
 def to_blhnc(cache: jax.Array, layout: str) -> jax.Array:
-  """A [B, L, H, N, C] view (transposed copy) of a cache in any layout."""
-  check_layout(layout)
-  return cache.transpose(tuple(layout.index(axis) for axis in "BLHNC"))
+    """A [B, L, H, N, C] view (transposed copy) of a cache in any layout."""
+    check_layout(layout)
+    return cache.transpose(tuple(layout.index(axis) for axis in "BLHNC"))
 
 
 def from_blhnc(cache: jax.Array, layout: str) -> jax.Array:
-  """Inverse of `to_blhnc`."""
-  check_layout(layout)
-  return cache.transpose(tuple("BLHNC".index(axis) for axis in layout))
+    """Inverse of `to_blhnc`."""
+    check_layout(layout)
+    return cache.transpose(tuple("BLHNC".index(axis) for axis in layout))
 
 
 def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
-  """Fills in the defaults: Mosaic on TPU, Triton-style kernels elsewhere,
-  interpreted unless a GPU or TPU is the default backend."""
-  platform = jax.default_backend()
-  if backend is None:
-    backend = "mosaic" if platform == "tpu" else "triton"
-  if backend not in BACKENDS:
-    raise ValueError(f"{backend=} is not one of {BACKENDS} (or None for the default).")
-  if backend == "triton":
-    filter_triton_deprecation()
-  if interpret is None:
-    interpret = platform not in ("gpu", "cuda", "rocm", "tpu")
-  return backend, bool(interpret)
+    """Fills in the defaults: Mosaic on TPU, Triton-style kernels elsewhere,
+    interpreted unless a GPU or TPU is the default backend."""
+    platform = jax.default_backend()
+    if backend is None:
+        backend = "mosaic" if platform == "tpu" else "triton"
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} is not one of {BACKENDS} (or None for the default).")
+    if backend == "triton":
+        filter_triton_deprecation()
+    if interpret is None:
+        interpret = platform not in ("gpu", "cuda", "rocm", "tpu")
+    return backend, bool(interpret)
 
 
 def interpret_arg(backend: str, interpret: bool):
-  """pallas_call's `interpret=`: Mosaic kernels use DMAs and semaphores, which
-  only the TPU interpreter emulates."""
-  if not interpret:
-    return False
-  if backend == "mosaic":
-    return pltpu.InterpretParams()
-  return True
+    """pallas_call's `interpret=`: Mosaic kernels use DMAs and semaphores, which
+    only the TPU interpreter emulates."""
+    if not interpret:
+        return False
+    if backend == "mosaic":
+        return pltpu.InterpretParams()
+    return True
 
 
 def triton_params(num_warps: int, num_stages: int):
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def mosaic_params(dimension_semantics: tuple[str, ...]):
-  return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
 
 
 def is_power_of_2(x: int) -> bool:
-  return x > 0 and x & (x - 1) == 0
+    return x > 0 and x & (x - 1) == 0
 
 
 def next_power_of_2(x: int) -> int:
-  return 1 << max(0, x - 1).bit_length()
+    return 1 << max(0, x - 1).bit_length()
 
 
 def power_of_2_pieces(width: int) -> tuple[tuple[int, int], ...]:
-  """Splits [0, width) into (start, size) pieces of power-of-2 sizes, largest first.
+    """Splits [0, width) into (start, size) pieces of power-of-2 sizes, largest first.
 
-  Triton tensors must have power-of-2 shapes, so a 656-byte MLA row is moved
-  as 512 + 128 + 16.
-  """
-  pieces, start = [], 0
-  for bit in reversed(range(width.bit_length())):
-    size = 1 << bit
-    if width & size:
-      pieces.append((start, size))
-      start += size
-  return tuple(pieces)
+    Triton tensors must have power-of-2 shapes, so a 656-byte MLA row is moved
+    as 512 + 128 + 16.
+    """
+    pieces, start = [], 0
+    for bit in reversed(range(width.bit_length())):
+        size = 1 << bit
+        if width & size:
+            pieces.append((start, size))
+            start += size
+    return tuple(pieces)
 
 
 ANY = pl.ANY

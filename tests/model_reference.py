@@ -67,8 +67,11 @@ class ModelState:
             self.shared_len = [0] * max_num_seqs  # the shared length each request was admitted with
             self.prompt_len = [0] * max_num_seqs
             self.copies: dict[int, int] = {}  # pending copies: destination -> source (both pinned)
-            self.partial = [g for g, group in enumerate(cfg.groups)
-                            if group.kind in ("full", "mamba") and group.block_size > prefix.unit]
+            self.partial = [
+                g
+                for g, group in enumerate(cfg.groups)
+                if group.kind in ("full", "mamba") and group.block_size > prefix.unit
+            ]
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,22 +135,30 @@ class ModelState:
                 self.release([b], evict_first=evict_from is not None and j >= evict_from)
 
     # ---- transitions ------------------------------------------------------------------------
-    def allocate(self, slots, num_new_tokens, num_full_tokens=None, num_hit_tokens=None,
-                 num_prompt_tokens=None, num_shared_tokens=None) -> list[bool]:
+    def allocate(
+        self,
+        slots,
+        num_new_tokens,
+        num_full_tokens=None,
+        num_hit_tokens=None,
+        num_prompt_tokens=None,
+        num_shared_tokens=None,
+    ) -> list[bool]:
         """vLLM's sequential outcome: row by row, gate (before the row's release), release,
         take if it fits; stop at the first failure. The takes happen after all releases.
 
         With a prefix cache, `self.last_copies` holds the call's copies {(row, group): (src, dst, tokens)}."""
         if self.prefix is not None:
-            return self._allocate_cached(slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens,
-                                         num_shared_tokens)
+            return self._allocate_cached(
+                slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens
+            )
         num_free, num_taken, ok, released = self.num_free_blocks, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             n = self.num_computed[s]
             full = 0 if num_full_tokens is None else num_full_tokens[i]
             if full > 0:
                 full_need = 0
-                for g, group in enumerate(self.groups):
+                for group in self.groups:
                     cap = group.spec.blocks_per_request(self.cfg.max_model_len, self.cfg.max_num_batched_tokens)
                     full_need += max(0, min(cdiv(full, group.block_size), cap) - cdiv(n, group.block_size))
                 if num_taken + full_need > num_free:
@@ -162,7 +173,7 @@ class ModelState:
         ok += [False] * (len(slots) - len(ok))
         for s in released:
             n = self.num_computed[s]
-            for g, group in enumerate(self.groups):
+            for g in range(len(self.groups)):
                 live = self.first_live[g][s]
                 keep = self._keep(g, s)
                 self._release_range(g, s, live, keep)
@@ -307,14 +318,20 @@ class ModelState:
         cached = []
         for g, group in enumerate(self.groups):
             bs = group.block_size
-            cached.append([self.index.probe(keys[(j + 1) * bs // self.prefix.unit - 1], g) != NULL_BLOCK
-                           for j in range(bound // bs)])
+            cached.append(
+                [
+                    self.index.probe(keys[(j + 1) * bs // self.prefix.unit - 1], g) != NULL_BLOCK
+                    for j in range(bound // bs)
+                ]
+            )
         rules = [HitRule.for_spec(group.spec) for group in self.groups]
         full = [g for g, rule in enumerate(rules) if rule.kind == "full"]
         if not self.partial:
             hit = hybrid_hit_len_reference(rules, cached, num_tokens if keys else 0)
-            own = [hit_blocks_reference(rules[g], cached[g], bound // rules[g].block_size) * rules[g].block_size
-                   for g in full]
+            own = [
+                hit_blocks_reference(rules[g], cached[g], bound // rules[g].block_size) * rules[g].block_size
+                for g in full
+            ]
             return hit, max(own, default=hit)
         # On the unit grid: the longest h valid for every group (full: the full blocks before h
         # and, inside a block, key(h) indexed; state: key(h) indexed; others: their block boundaries).
@@ -335,8 +352,9 @@ class ModelState:
         own = [next((h for h in grid if valid(g, h)), 0) for g in full]
         return hit, max(own, default=hit)
 
-    def _allocate_cached(self, slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens,
-                         num_shared_tokens) -> list[bool]:
+    def _allocate_cached(
+        self, slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens
+    ) -> list[bool]:
         num_groups = len(self.groups)
         u = self.prefix.unit
         num_hit_tokens = num_hit_tokens or [0] * len(slots)
@@ -354,8 +372,12 @@ class ModelState:
         for s, h in zip(slots, num_hit_tokens):
             entries, tail_src, ok_h, taken = [], {}, False, 0
             if h > 0:
-                ok_h = (self.num_computed[s] == 0 and h % u == 0 and h <= len(self.hashes[s]) * u
-                        and all(h % g.block_size == 0 or i in self.partial for i, g in enumerate(self.groups)))
+                ok_h = (
+                    self.num_computed[s] == 0
+                    and h % u == 0
+                    and h <= len(self.hashes[s]) * u
+                    and all(h % g.block_size == 0 or i in self.partial for i, g in enumerate(self.groups))
+                )
                 if ok_h:
                     wanted = 0
                     for g, group in enumerate(self.groups):
@@ -383,8 +405,17 @@ class ModelState:
         cow = []  # per row: groups whose hit ends inside a block and take a fresh block there
         for i, k in enumerate(num_new_tokens):
             h = n_eff[i]
-            cow.append({g for g in tails[i] if hit_ok[i] and (
-                self.groups[g].kind == "full" or h + k <= (h // self.groups[g].block_size + 1) * self.groups[g].block_size)})
+            cow.append(
+                {
+                    g
+                    for g in tails[i]
+                    if hit_ok[i]
+                    and (
+                        self.groups[g].kind == "full"
+                        or h + k <= (h // self.groups[g].block_size + 1) * self.groups[g].block_size
+                    )
+                }
+            )
         take_before, freed_before, ok, releasing = 0, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
             hit = num_hit_tokens[i] > 0
@@ -452,7 +483,7 @@ class ModelState:
                     self.copies[dst] = tails[i][g]
                     self.last_copies[(i, g)] = (tails[i][g], dst, n - j * self.groups[g].block_size)
             self.num_computed[s] = n + k
-        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
+        for i, (s, _) in enumerate(zip(slots, num_new_tokens)):
             # A partially indexed tail block that the scheduled tokens fill leaves the index.
             if not ok[i]:
                 continue
@@ -462,12 +493,18 @@ class ModelState:
                 j = tail // bs
                 start = n_eff[i] // bs if hit_ok[i] else self.num_cached[g][s]
                 block = self.tables[g][s][j]
-                if (self.groups[g].kind == "full" and tail % bs and block != NULL_BLOCK and j >= start
-                        and (j + 1) * bs <= min(self.num_computed[s], hashed_len) and block in self.cached_group):
+                if (
+                    self.groups[g].kind == "full"
+                    and tail % bs
+                    and block != NULL_BLOCK
+                    and j >= start
+                    and (j + 1) * bs <= min(self.num_computed[s], hashed_len)
+                    and block in self.cached_group
+                ):
                     self.index.remove([block])
                     del self.cached_group[block]
         self.cached_this_pass: set[int] = set()
-        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
+        for i, (s, _) in enumerate(zip(slots, num_new_tokens)):
             if not ok[i]:
                 continue
             # One entry per block-end unit, in unit order, holding the groups' blocks that end there.

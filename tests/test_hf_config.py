@@ -64,7 +64,11 @@ def test_llama4_rope_layers_are_chunked_and_nope_layers_global():
     assert [i for i, s in enumerate(layers.values()) if isinstance(s, FullAttentionSpec)] == list(range(3, 48, 4))
     text = {**load("llama4_scout")["text_config"], "num_hidden_layers": 3, "no_rope_layers": [0, 1, 1]}
     explicit = specs_from_hf_config({"model_type": "llama4", "text_config": text})
-    assert [type(s) for s in explicit.values()] == [FullAttentionSpec, ChunkedLocalAttentionSpec, ChunkedLocalAttentionSpec]
+    assert [type(s) for s in explicit.values()] == [
+        FullAttentionSpec,
+        ChunkedLocalAttentionSpec,
+        ChunkedLocalAttentionSpec,
+    ]
 
 
 def test_mistral_and_ministral():

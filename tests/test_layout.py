@@ -22,15 +22,15 @@ from jaxkv.layout import (
     DSA_LATENT_FIELDS,
     RowField,
     allocate_cache,
-    copy_blocks,
     buffer_spec,
+    copy_blocks,
     find_layer,
     is_typed,
     locate_token,
     read_rows,
-    whole_row,
     state_fields,
     typed_view,
+    whole_row,
     with_layout,
     write_rows,
 )
@@ -296,8 +296,9 @@ def test_with_layout_matches_planning_in_that_layout():
         assert with_layout(dsa("LBNHC"), layout) == dsa(layout)
 
 
-@pytest.mark.parametrize("name, layout", [(name, layout) for name in ("gemma_like", "hybrid_mamba")
-                                          for layout in LAYOUTS])
+@pytest.mark.parametrize(
+    "name, layout", [(name, layout) for name in ("gemma_like", "hybrid_mamba") for layout in LAYOUTS]
+)
 def test_copy_blocks_copies_every_page_of_the_block_and_nothing_else(name, layout):
     # Copy-on-write copies (prefix hits inside a block): whole blocks, all views, donated cache.
     cfg = CONFIGS[name](layout)
@@ -314,9 +315,14 @@ def test_copy_blocks_copies_every_page_of_the_block_and_nothing_else(name, layou
         if layout.startswith("B"):
             regions = [(0, cfg.bytes_per_block)]
         else:
-            regions = [(t.offset + l * t.layer_stride, t.block_stride) for t in cfg.tensors for l in range(len(t.layers))]
+            regions = [
+                (t.offset + layer * t.layer_stride, t.block_stride)
+                for t in cfg.tensors
+                for layer in range(len(t.layers))
+            ]
         for start, size in regions:
             stride = cfg.bytes_per_block if layout.startswith("B") else next(t.block_stride for t in cfg.tensors)
-            expected[start + dst * stride: start + dst * stride + size] = before[start + src * stride:
-                                                                               start + src * stride + size]
+            expected[start + dst * stride : start + dst * stride + size] = before[
+                start + src * stride : start + src * stride + size
+            ]
     np.testing.assert_array_equal(after, expected)

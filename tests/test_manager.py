@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_reference import ModelState, assert_state_matches
+from test_state import full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager, UnitHasher
 from jaxkv.hashing import prompt_unit_hashes
 from jaxkv.invariants import check_invariants
 from jaxkv.specs import NULL_BLOCK
-from model_reference import ModelState, assert_state_matches
-from test_state import full, make_cfg, mamba, sliding
 
 # Full + sliding window 4 + state group, block 2, 15 usable blocks, 3 requests at most.
 CFG = make_cfg(16, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_batched_tokens=8)
@@ -216,8 +216,11 @@ def test_random_use_matches_model(data):
                 for g, ids in enumerate(mgr.get_block_ids(rid)):
                     assert list(ids) == model.tables[g][slot][: len(ids)]
         elif op in ("free", "preempt") and running:
-            rids = [running[-1]] if op == "preempt" else data.draw(
-                st.lists(st.sampled_from(running), min_size=1, unique=True), label="free")
+            rids = (
+                [running[-1]]
+                if op == "preempt"
+                else data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True), label="free")
+            )
             model.free(mgr.slots_of(rids).tolist())
             mgr.free_batch(rids)
             for rid in rids:
@@ -241,7 +244,7 @@ def test_hits_inside_a_block_hand_out_copies():
     assert mgr.allocate_slots("a", 10)  # the scheduler ends a chunk at p* (vLLM's align mode)
     assert len(mgr.take_block_copies()) == 0
     assert mgr.allocate_slots("a", 1)  # the state after 10 tokens is saved: A moves to a copy
-    (src, dst, valid), = mgr.take_block_copies().tolist()
+    ((src, dst, valid),) = mgr.take_block_copies().tolist()
     assert valid == 2 and mgr.get_block_ids("a")[0][2] == dst
     mgr.add_request("b", a[:10] + [7, 8, 9])
     assert mgr.get_computed_tokens("b") == 10

@@ -18,8 +18,12 @@ WINDOW, CHUNK = 5, 8
 
 
 def make_plan():
-    layers = {"full": jaxkv.FullAttentionSpec(**SPEC), "sw": jaxkv.SlidingWindowSpec(**SPEC, sliding_window=WINDOW),
-              "ch": jaxkv.ChunkedLocalAttentionSpec(**SPEC, attention_chunk_size=CHUNK), "reuses_full": "full"}
+    layers = {
+        "full": jaxkv.FullAttentionSpec(**SPEC),
+        "sw": jaxkv.SlidingWindowSpec(**SPEC, sliding_window=WINDOW),
+        "ch": jaxkv.ChunkedLocalAttentionSpec(**SPEC, attention_chunk_size=CHUNK),
+        "reuses_full": "full",
+    }
     return jaxkv.plan(layers, 1 << 20, max_model_len=64, max_num_batched_tokens=32)
 
 
@@ -77,8 +81,10 @@ def test_attend_uses_the_layers_group_and_window(kind):
     cache = jnp.full(spec.shape, jnp.nan, spec.dtype)
     rng = np.random.default_rng(0)
     lens = {"a": 14, "b": 7}
-    q, k, v = ({r: rng.standard_normal((n, h, HEAD)).astype(np.float32) for r, n in lens.items()}
-               for h in (QUERY_HEADS, HEADS, HEADS))
+    q, k, v = (
+        {r: rng.standard_normal((n, h, HEAD)).astype(np.float32) for r, n in lens.items()}
+        for h in (QUERY_HEADS, HEADS, HEADS)
+    )
     step = jax.jit(lambda q, k, v, cache, meta: jaxkv.attend(q, k, v, cache, meta, layer=kind))
     for r, n in lens.items():
         mgr.add_request(r, list(range(n - 1)))
@@ -89,20 +95,22 @@ def test_attend_uses_the_layers_group_and_window(kind):
         meta = mgr.step_metadata(list(num_new), list(num_new.values()), num_tokens=24)
         begin = {r: mgr.num_computed_tokens(r) - n for r, n in num_new.items()}
         pad = lambda x: np.concatenate([x, np.zeros((24 - len(x),) + x.shape[1:], np.float32)])  # noqa: E731
-        args = [pad(np.concatenate([x[r][begin[r]: begin[r] + n] for r, n in num_new.items()])) for x in (q, k, v)]
+        args = [pad(np.concatenate([x[r][begin[r] : begin[r] + n] for r, n in num_new.items()])) for x in (q, k, v)]
         out, cache = step(*args, cache, meta)
         out = np.asarray(out)
         t = 0
         for r, n in num_new.items():
-            want = dense_attention(kind, q[r], k[r], v[r])[begin[r]: begin[r] + n]
-            np.testing.assert_allclose(out[t: t + n], want, rtol=1e-5, atol=1e-5)
+            want = dense_attention(kind, q[r], k[r], v[r])[begin[r] : begin[r] + n]
+            np.testing.assert_allclose(out[t : t + n], want, rtol=1e-5, atol=1e-5)
             t += n
         np.testing.assert_array_equal(out[t:], 0)
 
 
 def test_attend_refuses_a_state_layer():
-    layers = {"attn": jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float32"),
-              "ssm": jaxkv.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=("float32",))}
+    layers = {
+        "attn": jaxkv.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float32"),
+        "ssm": jaxkv.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=("float32",)),
+    }
     cfg = jaxkv.plan(layers, 1 << 20, max_model_len=64, max_num_batched_tokens=32)
     mgr = KVCacheManager(cfg, max_num_seqs=2, enable_prefix_caching=False)
     mgr.add_request("a", [1, 2, 3])

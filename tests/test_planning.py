@@ -39,7 +39,9 @@ def sliding(window, **kw):
 
 def gemma3_like():
     """62 layers, layer i full when i % 6 == 5, window 1024, 16 KV heads."""
-    return {f"model.layers.{i}": full(num_kv_heads=16) if i % 6 == 5 else sliding(1024, num_kv_heads=16) for i in range(62)}
+    return {
+        f"model.layers.{i}": full(num_kv_heads=16) if i % 6 == 5 else sliding(1024, num_kv_heads=16) for i in range(62)
+    }
 
 
 def sizes(cfg):

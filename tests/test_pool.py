@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_reference import ModelState, assert_pool_matches
 
 from jaxkv import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from jaxkv.invariants import check_pool
 from jaxkv.pool import HASH_WORDS, count_prefix, cumsum, init_pool, mark_cached, pop, release, touch
-from model_reference import ModelState, assert_pool_matches
 
 NUM_BLOCKS = 10  # 9 usable blocks, ring capacity 20: stale entries force compaction often
 WIDTH = 8  # F: calls are padded to this many entries
@@ -27,8 +27,13 @@ _mark_cached = jax.jit(mark_cached)
 
 def _cfg(num_blocks=NUM_BLOCKS):
     spec = FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=4)
-    return KVCacheConfig(num_blocks=num_blocks, groups=(KVCacheGroup(layer_names=("l",), spec=spec),),
-                         tensors=(), max_model_len=8, max_num_batched_tokens=8)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        groups=(KVCacheGroup(layer_names=("l",), spec=spec),),
+        tensors=(),
+        max_model_len=8,
+        max_num_batched_tokens=8,
+    )
 
 
 def _padded(blocks):
@@ -86,8 +91,13 @@ def test_stale_entries_are_compacted_in_order():
     pool, blocks = _pop(pool, jnp.int32(7), 7)
     taken = [model.pop() for _ in range(7)]
     assert np.asarray(blocks).tolist() == taken
-    pool = _mark_cached(pool, *_padded(taken)[:1], jnp.ones((WIDTH, HASH_WORDS), jnp.uint32),
-                        jnp.full(WIDTH, 0, jnp.int32), _padded(taken)[1])
+    pool = _mark_cached(
+        pool,
+        *_padded(taken)[:1],
+        jnp.ones((WIDTH, HASH_WORDS), jnp.uint32),
+        jnp.full(WIDTH, 0, jnp.int32),
+        _padded(taken)[1],
+    )
     model.mark_cached(taken, 0)
     counts = []
     for round_idx in range(3):
@@ -109,8 +119,13 @@ def test_pop_skips_windows_of_stale_entries():
     model = ModelState(_cfg(8), max_num_seqs=1)
     pool, _ = _pop(pool, jnp.int32(7), 7)
     taken = [model.pop() for _ in range(7)]
-    pool = _mark_cached(pool, *_padded(taken)[:1], jnp.ones((WIDTH, HASH_WORDS), jnp.uint32),
-                        jnp.zeros(WIDTH, jnp.int32), _padded(taken)[1])
+    pool = _mark_cached(
+        pool,
+        *_padded(taken)[:1],
+        jnp.ones((WIDTH, HASH_WORDS), jnp.uint32),
+        jnp.zeros(WIDTH, jnp.int32),
+        _padded(taken)[1],
+    )
     model.mark_cached(taken, 0)
     pool = _release(pool, *_padded(taken[:6]))
     model.release(taken[:6])

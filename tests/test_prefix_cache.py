@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_reference import IndexModel
 
 from jaxkv.pool import claim, init_pool, unclaim
 from jaxkv.prefix_cache import check_index, index_entries, init_index, insert, num_buckets_for, probe, remove
 from jaxkv.specs import NULL_BLOCK
-from model_reference import IndexModel
 
 NUM_BLOCKS = 12
 NUM_GROUPS = 2
@@ -85,8 +85,10 @@ def operations(draw):
         kind = draw(st.sampled_from(["insert", "insert", "remove", "probe"]))
         n = draw(st.integers(0, WIDTH))
         keys = [_key(draw(st.integers(0, 40)), draw(st.integers(0, 1))) for _ in range(n)]
-        blocks = [tuple(draw(st.sampled_from([0] * 2 + list(range(1, NUM_BLOCKS)))) for _ in range(NUM_GROUPS))
-                  for _ in range(n)]
+        blocks = [
+            tuple(draw(st.sampled_from([0] * 2 + list(range(1, NUM_BLOCKS)))) for _ in range(NUM_GROUPS))
+            for _ in range(n)
+        ]
         ops.append((kind, list(zip(keys, blocks))))
     return ops
 
@@ -143,8 +145,10 @@ def test_many_entries_in_one_call(width):
     index, placed = _insert(index, keys, blocks, np.ones(width, bool))
     model = IndexModel(256, 1, ways=8, num_entries=width)
     assert np.asarray(placed).tolist() == model.insert(list(zip(keys, blocks)))
-    np.testing.assert_array_equal(np.asarray(_probe(index, keys, np.ones(width, bool)))[:, 0],
-                                  np.where(np.asarray(placed)[:, 0], blocks[:, 0], NULL_BLOCK))
+    np.testing.assert_array_equal(
+        np.asarray(_probe(index, keys, np.ones(width, bool)))[:, 0],
+        np.where(np.asarray(placed)[:, 0], blocks[:, 0], NULL_BLOCK),
+    )
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_reference import ModelState, assert_state_matches
+from test_state import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv import state as ms
 from jaxkv.hashing import prompt_unit_hashes
@@ -19,8 +21,6 @@ from jaxkv.pool import free_order, mark_cached
 from jaxkv.prefix_cache import index_entries, insert, probe
 from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig
 from jaxkv.specs import NULL_BLOCK
-from model_reference import ModelState, assert_state_matches
-from test_state import chunked, full, make_cfg, mamba, sliding
 
 NUM_SLOTS = 4
 UPLOADS = 64  # X
@@ -38,9 +38,9 @@ def _uploads(keys_by_slot: dict[int, np.ndarray]) -> np.ndarray:
     out[:, 0] = NUM_SLOTS
     row = 0
     for slot, keys in keys_by_slot.items():
-        out[row: row + len(keys), 0] = slot
-        out[row: row + len(keys), 1] = np.arange(len(keys))
-        out[row: row + len(keys), 2:] = keys
+        out[row : row + len(keys), 0] = slot
+        out[row : row + len(keys), 1] = np.arange(len(keys))
+        out[row : row + len(keys), 2:] = keys
         row += len(keys)
     return out
 
@@ -54,16 +54,18 @@ def _lookup_shared(state, cfg, prefix, keys, num_tokens) -> tuple[int, int]:
     width = max(8, len(keys))
     padded = np.zeros((8, width, 4), np.uint32)
     padded[0, : len(keys)] = keys
-    hits, shared, _ = ms.lookup(state, padded, _pad([len(keys)], 0, 8), _pad([num_tokens], 0, 8), cfg=cfg,
-                                prefix=prefix)
+    hits, shared, _ = ms.lookup(
+        state, padded, _pad([len(keys)], 0, 8), _pad([num_tokens], 0, 8), cfg=cfg, prefix=prefix
+    )
     return int(hits[0]), int(shared[0])
 
 
 def _allocate(state, cfg, prefix, rows, uploads=None):
     """rows: (slot, new tokens, hit tokens). Returns (state, ok list)."""
     slots, new, hits = zip(*rows)
-    state, result = ms.allocate(state, _pad(slots, NUM_SLOTS), _pad(new, 0), None, None, _pad(hits, 0),
-                                uploads, cfg=cfg, prefix=prefix)
+    state, result = ms.allocate(
+        state, _pad(slots, NUM_SLOTS), _pad(new, 0), None, None, _pad(hits, 0), uploads, cfg=cfg, prefix=prefix
+    )
     check_invariants(cfg, state, prefix)
     return state, np.asarray(result.ok).tolist()[: len(rows)]
 
@@ -122,9 +124,13 @@ def _state_with_cached(cfg, prefix, keys, cached_by_group):
     valid = fields.reshape(-1) != NULL_BLOCK
     groups = np.tile(np.arange(len(cfg.groups), dtype=np.int32), len(units))
     pool = mark_cached(state.pool, fields.reshape(-1), np.repeat(entry_keys, len(cfg.groups), axis=0), groups, valid)
-    state = ms.ManagerState(pool=pool, block_tables=state.block_tables, first_live_idx=state.first_live_idx,
-                            num_computed=state.num_computed,
-                            prefix=dataclasses.replace(state.prefix, index=index))
+    state = ms.ManagerState(
+        pool=pool,
+        block_tables=state.block_tables,
+        first_live_idx=state.first_live_idx,
+        num_computed=state.num_computed,
+        prefix=dataclasses.replace(state.prefix, index=index),
+    )
     check_invariants(cfg, state, prefix)
     return state
 
@@ -132,14 +138,17 @@ def _state_with_cached(cfg, prefix, keys, cached_by_group):
 T, F = True, False
 
 
-@pytest.mark.parametrize("pattern, expected_blocks", [
-    ([T, T, F, T, F, F, T, T, F, T, T, T], 12),
-    ([T, T, F, T, F, F, T, T, F, F, F], 8),
-    ([T], 1),
-    ([T, T, F], 2),
-    ([T, T, T, F], 3),
-    ([F] * 10, 0),
-])
+@pytest.mark.parametrize(
+    "pattern, expected_blocks",
+    [
+        ([T, T, F, T, F, F, T, T, F, T, T, T], 12),
+        ([T, T, F, T, F, F, T, T, F, F, F], 8),
+        ([T], 1),
+        ([T, T, F], 2),
+        ([T, T, T, F], 3),
+        ([F] * 10, 0),
+    ],
+)
 def test_sliding_window_patterns(pattern, expected_blocks):
     # Sliding window 4, block 2: a hit needs cdiv(3, 2) = 2 cached blocks before it, or a run from
     # block 0. The request has 2 × len + 1 tokens (the last is never covered).
@@ -197,9 +206,18 @@ def _window_release(shared_len):
     state, ok = _allocate(state, cfg, prefix, [(0, 0, 0)])
     keys_b = prompt_unit_hashes(b, 2)
     assert ok == [True] and _lookup_shared(state, cfg, prefix, keys_b, 16) == (8, 8)
-    state, result = ms.allocate(state, _pad([1], NUM_SLOTS), _pad([8], 0), None, None, _pad([8], 0),
-                                _uploads({1: keys_b}), num_shared_tokens=_pad([shared_len], 0), cfg=cfg,
-                                prefix=prefix)
+    state, result = ms.allocate(
+        state,
+        _pad([1], NUM_SLOTS),
+        _pad([8], 0),
+        None,
+        None,
+        _pad([8], 0),
+        _uploads({1: keys_b}),
+        num_shared_tokens=_pad([shared_len], 0),
+        cfg=cfg,
+        prefix=prefix,
+    )
     assert np.asarray(result.ok)[0]
     window_blocks = np.asarray(state.block_tables)[1, 1, 2:6].tolist()
     state, result = ms.allocate(state, _pad([1], NUM_SLOTS), _pad([0], 0), cfg=cfg, prefix=prefix)
@@ -273,8 +291,18 @@ def test_within_one_allocation_the_first_row_keeps_the_index():
     cfg, prefix, keys = _seven_token_prompt()
     for chunk_sizes in ((1,), (2,), (8,)):
         state = ms.init_state(cfg, NUM_SLOTS, prefix)
-        state, result = ms.allocate(state, _pad([0, 1], NUM_SLOTS), _pad([7, 7], 0), None, None, None,
-                                    _uploads({0: keys, 1: keys}), cfg=cfg, prefix=prefix, chunk_sizes=chunk_sizes)
+        state, result = ms.allocate(
+            state,
+            _pad([0, 1], NUM_SLOTS),
+            _pad([7, 7], 0),
+            None,
+            None,
+            None,
+            _uploads({0: keys, 1: keys}),
+            cfg=cfg,
+            prefix=prefix,
+            chunk_sizes=chunk_sizes,
+        )
         assert np.asarray(result.ok)[:2].all()
         check_invariants(cfg, state, prefix)
         first, second = np.asarray(state.block_tables)[0, :2, :3].tolist()
@@ -324,12 +352,20 @@ class FakeKV:
         """
         tables = np.asarray(state.block_tables)
         still = index_entries(state.prefix.index)  # evicted blocks may be written
-        cached = {block: self.prefix_of_key[key] for kg, (block, _) in cached_before.items()
-                  if still.get(kg, (None,))[0] == block for key in [kg[0]]}
+        cached = {
+            block: self.prefix_of_key[key]
+            for kg, (block, _) in cached_before.items()
+            if still.get(kg, (None,))[0] == block
+            for key in [kg[0]]
+        }
 
         def check_private(g, block):
-            others = [(h, s) for h in range(tables.shape[0]) for s in range(tables.shape[1])
-                      if s != slot and block in tables[h, s]]
+            others = [
+                (h, s)
+                for h in range(tables.shape[0])
+                for s in range(tables.shape[1])
+                if s != slot and block in tables[h, s]
+            ]
             assert not others, f"slot {slot} group {g} writes block {block} that {others} hold"
 
         for g, group in enumerate(cfg.groups):
@@ -367,9 +403,11 @@ class FakeKV:
                     if n:
                         assert self.state[int(tables[g, slot, (n - 1) // bs])] == tuple(tokens[:n]), (slot, g)
                     continue
-                first = {"sliding_window": lambda: max(0, n - group.spec.sliding_window + 1),
-                         "chunked_local": lambda: n // group.spec.attention_chunk_size
-                         * group.spec.attention_chunk_size}.get(group.kind, lambda: 0)()
+                first = 0
+                if group.kind == "sliding_window":
+                    first = max(0, n - group.spec.sliding_window + 1)
+                elif group.kind == "chunked_local":
+                    first = n // group.spec.attention_chunk_size * group.spec.attention_chunk_size
                 for p in range(first, n):
                     block = int(tables[g, slot, p // bs])
                     assert block != NULL_BLOCK and self.kv[(block, p % bs)] == tuple(tokens[: p + 1]), (slot, g, p)
@@ -404,12 +442,14 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
         return keys
 
     for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
-        ops = ["add", "allocate", "allocate", "allocate", "free"] if reuse else \
-            ["add", "lookup", "allocate", "allocate", "allocate", "free", "preempt"]
+        ops = (
+            ["add", "allocate", "allocate", "allocate", "free"]
+            if reuse
+            else ["add", "lookup", "allocate", "allocate", "allocate", "free", "preempt"]
+        )
         op = data.draw(st.sampled_from(ops))
         if op == "add" and len(live) < NUM_SLOTS:
-            base = data.draw(st.sampled_from(tuple(seen) if reuse and seen else PREFIXES + tuple(seen)),
-                             label="prefix")
+            base = data.draw(st.sampled_from(tuple(seen) if reuse and seen else PREFIXES + tuple(seen)), label="prefix")
             tokens = list(base[: data.draw(st.integers(len(base) // 2 if reuse else 0, len(base)), label="shared")])
             tokens += data.draw(st.lists(st.integers(70, 72), max_size=max_len - len(tokens)), label="tail")
             if tokens:
@@ -458,9 +498,20 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
             in_use = np.asarray(state.pool.ref_cnt) > 0  # a free cached block may be popped, evicted and reused
             cached_before = {kg: v for kg, v in index_entries(state.prefix.index).items() if in_use[v[0]]}
             state, result = ms.allocate(
-                state, _pad(slots, NUM_SLOTS), _pad(new_tokens, 0), _pad(full_tokens, 0), _pad(freed, NUM_SLOTS),
-                _pad(hits, 0), _uploads(uploads), _pad([prompt_len[s] for s in slots], 0),
-                _pad(released, NULL_BLOCK, 8), _pad(shared, 0), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
+                state,
+                _pad(slots, NUM_SLOTS),
+                _pad(new_tokens, 0),
+                _pad(full_tokens, 0),
+                _pad(freed, NUM_SLOTS),
+                _pad(hits, 0),
+                _uploads(uploads),
+                _pad([prompt_len[s] for s in slots], 0),
+                _pad(released, NULL_BLOCK, 8),
+                _pad(shared, 0),
+                cfg=cfg,
+                chunk_sizes=chunk_sizes,
+                prefix=prefix,
+            )
             model.release_copies(released)
             model.free(freed)
             for slot in freed:
@@ -485,8 +536,11 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
                     fake.computed(cfg, state, slot, live[slot], end - k, end, cached_before)
         elif op in ("free", "preempt") and live:
             # preempt: the most recently admitted request loses its blocks and starts over.
-            slots = [list(live)[-1]] if op == "preempt" else data.draw(
-                st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True), label="free")
+            slots = (
+                [list(live)[-1]]
+                if op == "preempt"
+                else data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True), label="free")
+            )
             state = ms.free(state, _pad(slots, NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
             model.free(slots)
             for slot in slots:
@@ -530,8 +584,19 @@ def test_random_sequences_eager(case, data):
 def _allocate_tails(state, cfg, prefix, rows, uploads=None, released=()):
     """rows: (slot, new tokens, hit tokens, prompt tokens). Returns (state, ok list, copies [R, G, 3])."""
     slots, new, hits, prompts = zip(*rows)
-    state, result = ms.allocate(state, _pad(slots, NUM_SLOTS), _pad(new, 0), None, None, _pad(hits, 0), uploads,
-                                _pad(prompts, 0), _pad(released, NULL_BLOCK, 8), cfg=cfg, prefix=prefix)
+    state, result = ms.allocate(
+        state,
+        _pad(slots, NUM_SLOTS),
+        _pad(new, 0),
+        None,
+        None,
+        _pad(hits, 0),
+        uploads,
+        _pad(prompts, 0),
+        _pad(released, NULL_BLOCK, 8),
+        cfg=cfg,
+        prefix=prefix,
+    )
     check_invariants(cfg, state, prefix)
     return state, np.asarray(result.ok).tolist()[: len(rows)], np.asarray(result.copies)[: len(rows)]
 
@@ -589,8 +654,9 @@ def test_state_group_saves_the_prompt_tail_and_hybrid_hit_lands_on_it():
     assert moved_to != state_block and copies[0, 0].tolist() == [state_block, moved_to, 2]
     assert _lookup(state, cfg, prefix, keys_b, 13) == 10  # attention and state both at 10
     # B's step writes block 2 of the state group: copy-on-write there too.
-    state, ok, copies = _allocate_tails(state, cfg, prefix, [(1, 2, 10, 13)], _uploads({1: keys_b}),
-                                        released=[moved_to])
+    state, ok, copies = _allocate_tails(
+        state, cfg, prefix, [(1, 2, 10, 13)], _uploads({1: keys_b}), released=[moved_to]
+    )
     assert ok == [True]
     tables = np.asarray(state.block_tables)
     assert copies[0, 0].tolist() == [state_block, int(tables[0, 1, 2]), 2]

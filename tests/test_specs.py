@@ -26,7 +26,9 @@ def test_attention_page_is_block_heads_k_plus_v_dtype():
 
 
 def test_dtype_accepts_string_numpy_and_jax_dtypes():
-    names = {FullAttentionSpec(**{**ATTN, "dtype": d}).dtype for d in ("bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16))}
+    names = {
+        FullAttentionSpec(**{**ATTN, "dtype": d}).dtype for d in ("bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16))
+    }
     assert names == {"bfloat16"}
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_reference import ModelState, assert_state_matches
 
 from jaxkv import (
     ChunkedLocalAttentionSpec,
@@ -23,7 +24,6 @@ from jaxkv import state as ms
 from jaxkv.invariants import check_invariants
 from jaxkv.pool import HASH_WORDS, mark_cached
 from jaxkv.specs import NULL_BLOCK
-from model_reference import ModelState, assert_state_matches
 
 NUM_SLOTS = 4
 
@@ -46,8 +46,13 @@ def mamba(bs):
 
 def make_cfg(num_blocks, *specs, max_model_len=24, max_num_batched_tokens=8):
     groups = tuple(KVCacheGroup(layer_names=(f"layer{i}",), spec=spec) for i, spec in enumerate(specs))
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=(), max_model_len=max_model_len,
-                         max_num_batched_tokens=max_num_batched_tokens)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        groups=groups,
+        tensors=(),
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
 
 
 # (config, chunk sizes): tiny pools so that allocations fail often; chunk sizes of 2 or 3
@@ -95,8 +100,15 @@ def run_random_sequence(data, cfg, chunk_sizes):
             # Requests not in the batch may be freed in the same call, first.
             others = sorted(set(num_tokens) - set(slots))
             freed = data.draw(st.lists(st.sampled_from(others), unique=True), label="freed") if others else []
-            state, result = ms.allocate(state, _pad(slots, NUM_SLOTS), _pad(new_tokens, 0), _pad(full_tokens, 0),
-                                        _pad(freed, NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes)
+            state, result = ms.allocate(
+                state,
+                _pad(slots, NUM_SLOTS),
+                _pad(new_tokens, 0),
+                _pad(full_tokens, 0),
+                _pad(freed, NUM_SLOTS),
+                cfg=cfg,
+                chunk_sizes=chunk_sizes,
+            )
             model.free(freed)
             for slot in freed:
                 del num_tokens[slot]
@@ -105,8 +117,11 @@ def run_random_sequence(data, cfg, chunk_sizes):
             assert int(result.num_free_blocks) == model.num_free_blocks
         elif op in ("free", "preempt") and num_tokens:
             # preempt: the most recently admitted request loses its blocks and starts over.
-            slots = [list(num_tokens)[-1]] if op == "preempt" else data.draw(
-                st.lists(st.sampled_from(list(num_tokens)), min_size=1, unique=True), label="free")
+            slots = (
+                [list(num_tokens)[-1]]
+                if op == "preempt"
+                else data.draw(st.lists(st.sampled_from(list(num_tokens)), min_size=1, unique=True), label="free")
+            )
             state = ms.free(state, _pad(slots, NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes)
             model.free(slots)
             for slot in slots:
@@ -122,10 +137,15 @@ def run_random_sequence(data, cfg, chunk_sizes):
             padded[: len(blocks)] = blocks
             valid = jnp.asarray(np.arange(model.max_blocks) < len(blocks))
             hashes = jnp.ones((model.max_blocks, HASH_WORDS), jnp.uint32)
-            pool = _mark_cached(state.pool, jnp.asarray(padded), hashes, jnp.full(model.max_blocks, g, jnp.int32),
-                                valid)
-            state = ms.ManagerState(pool=pool, block_tables=state.block_tables,
-                                    first_live_idx=state.first_live_idx, num_computed=state.num_computed)
+            pool = _mark_cached(
+                state.pool, jnp.asarray(padded), hashes, jnp.full(model.max_blocks, g, jnp.int32), valid
+            )
+            state = ms.ManagerState(
+                pool=pool,
+                block_tables=state.block_tables,
+                first_live_idx=state.first_live_idx,
+                num_computed=state.num_computed,
+            )
             model.mark_cached(blocks, g)
         check_invariants(cfg, state)
         assert_state_matches(state, model)
@@ -268,8 +288,9 @@ def test_no_retracing_across_steps():
     rng = np.random.default_rng(0)
     for _ in range(6):  # different rows, counts and failures each step, same shapes
         slots = rng.permutation(NUM_SLOTS).astype(np.int32)
-        state, _ = allocate(state, slots, rng.integers(0, 3, NUM_SLOTS).astype(np.int32),
-                            np.zeros(NUM_SLOTS, np.int32), cfg=cfg)
+        state, _ = allocate(
+            state, slots, rng.integers(0, 3, NUM_SLOTS).astype(np.int32), np.zeros(NUM_SLOTS, np.int32), cfg=cfg
+        )
     check_invariants(cfg, state)
 
 
@@ -278,8 +299,9 @@ def test_slot_mappings_follow_the_tables():
     state = ms.init_state(cfg, 3)
     state, _ = _allocate(state, cfg, [1, 0], [5, 3])
     state, _ = _allocate(state, cfg, [1, 0, 2], [2, 1, 0])
-    mapping = np.asarray(ms.slot_mappings(state, np.array([1, 0, 2], np.int32), np.array([2, 1, 0], np.int32),
-                                          cfg=cfg, num_tokens=5))
+    mapping = np.asarray(
+        ms.slot_mappings(state, np.array([1, 0, 2], np.int32), np.array([2, 1, 0], np.int32), cfg=cfg, num_tokens=5)
+    )
     tables = np.asarray(state.block_tables)
     expected = []
     for g, bs in enumerate([2, 4]):
@@ -304,15 +326,17 @@ def test_multi_step_decode_equals_single_steps(case):
         return state
 
     num_steps = 9  # long enough to cross blocks, windows, and run out of blocks in the tight pool
-    fused, fused_ok, fused_slots = ms.decode_steps(prefilled(), slots, cfg=cfg, num_steps=num_steps,
-                                                   chunk_sizes=chunk_sizes)
+    fused, fused_ok, fused_slots = ms.decode_steps(
+        prefilled(), slots, cfg=cfg, num_steps=num_steps, chunk_sizes=chunk_sizes
+    )
     state = prefilled()
     ones = (slots < NUM_SLOTS).astype(np.int32)
     for step in range(num_steps):
         state, result = ms.allocate(state, slots, ones, cfg=cfg, chunk_sizes=chunk_sizes)
         assert np.asarray(result.ok).tolist() == np.asarray(fused_ok[step]).tolist()
-        mapping = np.asarray(ms.slot_mappings(state, slots, np.asarray(result.ok, np.int32), cfg=cfg,
-                                              num_tokens=len(slots)))
+        mapping = np.asarray(
+            ms.slot_mappings(state, slots, np.asarray(result.ok, np.int32), cfg=cfg, num_tokens=len(slots))
+        )
         np.testing.assert_array_equal(np.asarray(fused_slots[step]), mapping)
     chex.assert_trees_all_equal(jax.device_get(fused), jax.device_get(state))
     check_invariants(cfg, fused)

@@ -11,19 +11,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_state import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager
-from jaxkv.invariants import check_invariants
 from jaxkv import manager as manager_module
+from jaxkv.invariants import check_invariants
 from jaxkv.manager import _walk_size
 from jaxkv.step import StepWork
-from test_state import chunked, full, make_cfg, mamba, sliding
 
 CONFIGS = {
     # Attention groups only: rows without block work stay on the host.
     "full+sliding": make_cfg(24, full(2), sliding(2, 4), max_model_len=16, max_num_batched_tokens=8),
-    "sliding+chunked": make_cfg(24, sliding(2, 3), chunked(2, 4), full(4), max_model_len=16,
-                                max_num_batched_tokens=8),
+    "sliding+chunked": make_cfg(24, sliding(2, 3), chunked(2, 4), full(4), max_model_len=16, max_num_batched_tokens=8),
     # A state group: every row is sent, the walks are still specialised.
     "full+mamba": make_cfg(16, full(2), mamba(2), max_model_len=16, max_num_batched_tokens=8),
 }
@@ -31,7 +30,9 @@ VARIANTS_SEEN: dict[str, set] = {}
 
 
 def _assert_same(a: KVCacheManager, b: KVCacheManager):
-    for x, y in zip(jax.tree_util.tree_leaves(jax.device_get(a.state)), jax.tree_util.tree_leaves(jax.device_get(b.state))):
+    for x, y in zip(
+        jax.tree_util.tree_leaves(jax.device_get(a.state)), jax.tree_util.tree_leaves(jax.device_get(b.state))
+    ):
         np.testing.assert_array_equal(x, y)
     assert a.num_free_blocks == b.num_free_blocks
 

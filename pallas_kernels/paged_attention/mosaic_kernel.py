@@ -40,56 +40,50 @@ def mosaic_kernel(
     layout: str,
     max_blocks: int,
 ):
-  tile, kv_head = pl.program_id(0), pl.program_id(1)
-  req = tile_req_ref[tile]
-  first_query_pos = tile_pos_ref[tile]
-  num_queries = tile_len_ref[tile]
-  seq_len = seq_lens_ref[req]
-  layer = layer_ref[0]
-  n = cfg.block_size
+    tile, kv_head = pl.program_id(0), pl.program_id(1)
+    req = tile_req_ref[tile]
+    first_query_pos = tile_pos_ref[tile]
+    num_queries = tile_len_ref[tile]
+    seq_len = seq_lens_ref[req]
+    layer = layer_ref[0]
+    n = cfg.block_size
 
-  # Blocks behind the window are never read (see softmax.block_range).
-  live_begin, first_block, end_block = softmax.block_range(
-      first_query_pos, num_queries, cfg, max_blocks
-  )
+    # Blocks behind the window are never read (see softmax.block_range).
+    live_begin, first_block, end_block = softmax.block_range(first_query_pos, num_queries, cfg, max_blocks)
 
-  def fetch(j, buf):
-    block_id = softmax.safe_block_id(
-        block_tables_ref[req * max_blocks + j], cache_hbm_ref.shape[layout.index("B")]
-    )
-    src = cache_hbm_ref.at[
-        cache_index(layout, b=block_id, l=layer, h=kv_head, n=slice(None), c=slice(None))
-    ]
-    return pltpu.make_async_copy(src, kv_bufs.at[buf], sems.at[buf])
+    def fetch(j, buf):
+        block_id = softmax.safe_block_id(block_tables_ref[req * max_blocks + j], cache_hbm_ref.shape[layout.index("B")])
+        src = cache_hbm_ref.at[cache_index(layout, b=block_id, layer=layer, h=kv_head, n=slice(None), c=slice(None))]
+        return pltpu.make_async_copy(src, kv_bufs.at[buf], sems.at[buf])
 
-  @pl.when(first_block < end_block)
-  def _prime():
-    fetch(first_block, 0).start()
+    @pl.when(first_block < end_block)
+    def _prime():
+        fetch(first_block, 0).start()
 
-  q = q_ref[...]
-  query_pos, row_real = softmax.row_positions(first_query_pos, num_queries, cfg)
+    q = q_ref[...]
+    query_pos, row_real = softmax.row_positions(first_query_pos, num_queries, cfg)
 
-  def body(j, state):
-    buf = lax.rem(j - first_block, 2)
+    def body(j, state):
+        buf = lax.rem(j - first_block, 2)
 
-    @pl.when(j + 1 < end_block)
-    def _prefetch_next():
-      fetch(j + 1, 1 - buf).start()
+        @pl.when(j + 1 < end_block)
+        def _prefetch_next():
+            fetch(j + 1, 1 - buf).start()
 
-    fetch(j, buf).wait()
-    kv = kv_bufs[buf]  # [N, D + Dv]
-    return softmax.attend_block(
-        state,
-        q,
-        kv[:, : cfg.head_size],
-        kv[:, cfg.head_size :],
-        block_start_pos=j * n,
-        query_pos=query_pos,
-        row_real=row_real,
-        live_keys_begin=live_begin,
-        seq_len=seq_len,
-        cfg=cfg,
-    )
+        fetch(j, buf).wait()
+        kv = kv_bufs[buf]  # [N, D + Dv]
+        return softmax.attend_block(
+            state,
+            q,
+            kv[:, : cfg.head_size],
+            kv[:, cfg.head_size :],
+            block_start_pos=j * n,
+            query_pos=query_pos,
+            row_real=row_real,
+            live_keys_begin=live_begin,
+            seq_len=seq_len,
+            cfg=cfg,
+        )
 
-  state = lax.fori_loop(first_block, end_block, body, softmax.init_state(cfg))
-  o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)
+    state = lax.fori_loop(first_block, end_block, body, softmax.init_state(cfg))
+    o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)

@@ -35,48 +35,47 @@ def triton_kernel(
     cfg: AttentionConfig,
     layout: str,
 ):
-  tile, kv_head = pl.program_id(0), pl.program_id(1)
-  req = tile_req_ref[tile]
-  first_query_pos = tile_pos_ref[tile]
-  num_queries = tile_len_ref[tile]
-  seq_len = seq_lens_ref[req]
-  layer = layer_ref[0]
-  n = cfg.block_size
+    tile, kv_head = pl.program_id(0), pl.program_id(1)
+    req = tile_req_ref[tile]
+    first_query_pos = tile_pos_ref[tile]
+    num_queries = tile_len_ref[tile]
+    seq_len = seq_lens_ref[req]
+    layer = layer_ref[0]
+    n = cfg.block_size
 
-  # Blocks behind the window are never read (see softmax.block_range).
-  live_begin, first_block, end_block = softmax.block_range(
-      first_query_pos, num_queries, cfg, block_tables_ref.shape[1]
-  )
-
-  q = q_ref[...]
-  query_pos, row_real = softmax.row_positions(first_query_pos, num_queries, cfg)
-
-  def body(j, carry):
-    state, blocks_read = carry
-    block_id = softmax.safe_block_id(block_tables_ref[req, j], cache_ref.shape[layout.index("B")])
-    at = lambda channels: cache_index(
-        layout, b=block_id, l=layer, h=kv_head, n=slice(None), c=channels
+    # Blocks behind the window are never read (see softmax.block_range).
+    live_begin, first_block, end_block = softmax.block_range(
+        first_query_pos, num_queries, cfg, block_tables_ref.shape[1]
     )
-    k = cache_ref[at(pl.ds(0, cfg.head_size))]  # [N, D]
-    v = cache_ref[at(pl.ds(cfg.head_size, cfg.head_size_v))]  # [N, Dv]
-    state = softmax.attend_block(
-        state,
-        q,
-        k,
-        v,
-        block_start_pos=j * n,
-        query_pos=query_pos,
-        row_real=row_real,
-        live_keys_begin=live_begin,
-        seq_len=seq_len,
-        cfg=cfg,
-    )
-    return state, blocks_read + 1
 
-  state, blocks_read = lax.fori_loop(
-      first_block, end_block, body, (softmax.init_state(cfg), 0)
-  )
-  o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)
-  if blocks_read_refs:
-    (blocks_read_ref,) = blocks_read_refs
-    blocks_read_ref[0] = blocks_read
+    q = q_ref[...]
+    query_pos, row_real = softmax.row_positions(first_query_pos, num_queries, cfg)
+
+    def body(j, carry):
+        state, blocks_read = carry
+        block_id = softmax.safe_block_id(block_tables_ref[req, j], cache_ref.shape[layout.index("B")])
+
+        def at(channels):
+            return cache_index(layout, b=block_id, layer=layer, h=kv_head, n=slice(None), c=channels)
+
+        k = cache_ref[at(pl.ds(0, cfg.head_size))]  # [N, D]
+        v = cache_ref[at(pl.ds(cfg.head_size, cfg.head_size_v))]  # [N, Dv]
+        state = softmax.attend_block(
+            state,
+            q,
+            k,
+            v,
+            block_start_pos=j * n,
+            query_pos=query_pos,
+            row_real=row_real,
+            live_keys_begin=live_begin,
+            seq_len=seq_len,
+            cfg=cfg,
+        )
+        return state, blocks_read + 1
+
+    state, blocks_read = lax.fori_loop(first_block, end_block, body, (softmax.init_state(cfg), 0))
+    o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)
+    if blocks_read_refs:
+        (blocks_read_ref,) = blocks_read_refs
+        blocks_read_ref[0] = blocks_read

@@ -24,9 +24,9 @@ from pallas_kernels._common import cache_index
 
 
 def _in_range(slot, layer, num_slots: int, num_layers: int):
-  """Whether a token's write lands in the cache: slot −1 (padding), a slot past the
-  pool or a layer outside the buffer write nothing, as in the reference."""
-  return (slot >= 0) & (slot < num_slots) & (layer >= 0) & (layer < num_layers)
+    """Whether a token's write lands in the cache: slot −1 (padding), a slot past the
+    pool or a layer outside the buffer write nothing, as in the reference."""
+    return (slot >= 0) & (slot < num_slots) & (layer >= 0) & (layer < num_layers)
 
 
 def _triton_kernel(
@@ -45,22 +45,22 @@ def _triton_kernel(
     num_heads: int,
     pieces: tuple[tuple[int, int], ...],
 ):
-  """One program per token: stores its H rows, each in power-of-2 pieces."""
-  del cache_in_ref  # Same buffer as cache_ref.
-  t = pl.program_id(0)
-  slot = slot_ref[t]
-  layer = layer_ref[0]
+    """One program per token: stores its H rows, each in power-of-2 pieces."""
+    del cache_in_ref  # Same buffer as cache_ref.
+    t = pl.program_id(0)
+    slot = slot_ref[t]
+    layer = layer_ref[0]
 
-  @pl.when(_in_range(slot, layer, num_slots, num_layers))
-  def _write():
-    block_id = slot // block_size
-    offset = slot % block_size
-    for h in range(num_heads):
-      for start, size in pieces:
-        channels = pl.ds(start, size)
-        cache_ref[cache_index(layout, b=block_id, l=layer, h=h, n=offset, c=channels)] = (
-            rows_ref[t, h, channels]
-        )
+    @pl.when(_in_range(slot, layer, num_slots, num_layers))
+    def _write():
+        block_id = slot // block_size
+        offset = slot % block_size
+        for h in range(num_heads):
+            for start, size in pieces:
+                channels = pl.ds(start, size)
+                cache_ref[cache_index(layout, b=block_id, layer=layer, h=h, n=offset, c=channels)] = rows_ref[
+                    t, h, channels
+                ]
 
 
 def _mosaic_kernel(
@@ -81,101 +81,101 @@ def _mosaic_kernel(
     num_layers: int,
     num_tokens: int,
 ):
-  """One program: a DMA per real token from its [H, C] rows to its slot,
-  all started before any is awaited."""
-  del cache_in_ref  # Same buffer as cache_hbm_ref.
-  layer = layer_ref[0]
+    """One program: a DMA per real token from its [H, C] rows to its slot,
+    all started before any is awaited."""
+    del cache_in_ref  # Same buffer as cache_hbm_ref.
+    layer = layer_ref[0]
 
-  def copy(t):
-    slot = slot_ref[t]
-    dst = cache_hbm_ref.at[
-        cache_index(
-            layout,
-            b=slot // block_size,
-            l=layer,
-            h=slice(None),
-            n=slot % block_size,
-            c=slice(None),
-        )
-    ]
-    return pltpu.make_async_copy(rows_hbm_ref.at[t], dst, sems.at[0])
+    def copy(t):
+        slot = slot_ref[t]
+        dst = cache_hbm_ref.at[
+            cache_index(
+                layout,
+                b=slot // block_size,
+                layer=layer,
+                h=slice(None),
+                n=slot % block_size,
+                c=slice(None),
+            )
+        ]
+        return pltpu.make_async_copy(rows_hbm_ref.at[t], dst, sems.at[0])
 
-  def start(t, carry):
-    @pl.when(_in_range(slot_ref[t], layer, num_slots, num_layers))
-    def _():
-      copy(t).start()
+    def start(t, carry):
+        @pl.when(_in_range(slot_ref[t], layer, num_slots, num_layers))
+        def _():
+            copy(t).start()
 
-    return carry
+        return carry
 
-  def wait(t, carry):
-    @pl.when(_in_range(slot_ref[t], layer, num_slots, num_layers))
-    def _():
-      copy(t).wait()
+    def wait(t, carry):
+        @pl.when(_in_range(slot_ref[t], layer, num_slots, num_layers))
+        def _():
+            copy(t).wait()
 
-    return carry
+        return carry
 
-  lax.fori_loop(0, num_tokens, start, 0)
-  lax.fori_loop(0, num_tokens, wait, 0)
+    lax.fori_loop(0, num_tokens, start, 0)
+    lax.fori_loop(0, num_tokens, wait, 0)
 
 
 def _paged_scatter_call(cache, new_rows, slot_mapping, layer, *, layout, backend, interpret):
-  """Builds the grid and specs for one backend and calls the kernel."""
-  dims = _common.cache_dims(cache.shape, layout)
-  num_tokens, num_heads, row_width = new_rows.shape
-  interpret_param = _common.interpret_arg(backend, interpret)
-  if backend == "triton":
+    """Builds the grid and specs for one backend and calls the kernel."""
+    dims = _common.cache_dims(cache.shape, layout)
+    num_tokens, num_heads, row_width = new_rows.shape
+    interpret_param = _common.interpret_arg(backend, interpret)
+    if backend == "triton":
+        kernel = functools.partial(
+            _triton_kernel,
+            layout=layout,
+            block_size=dims["N"],
+            num_slots=dims["B"] * dims["N"],
+            num_layers=dims["L"],
+            num_heads=num_heads,
+            pieces=_common.power_of_2_pieces(row_width),
+        )
+        return pl.pallas_call(
+            kernel,
+            grid=(num_tokens,),  # One program per new token.
+            in_specs=[
+                pl.BlockSpec(),  # layer: whole array
+                pl.BlockSpec(),  # slot_mapping: whole array
+                pl.BlockSpec(),  # new_rows: whole array, indexed by token
+                pl.BlockSpec(),  # cache (aliased input)
+            ],
+            out_specs=pl.BlockSpec(),  # cache: whole array, written at slots only
+            out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+            input_output_aliases={3: 0},
+            compiler_params=_common.triton_params(num_warps=1, num_stages=1),
+            interpret=interpret_param,
+            name="paged_scatter",
+        )(layer, slot_mapping, new_rows, cache)
+
     kernel = functools.partial(
-        _triton_kernel,
+        _mosaic_kernel,
         layout=layout,
         block_size=dims["N"],
         num_slots=dims["B"] * dims["N"],
         num_layers=dims["L"],
-        num_heads=num_heads,
-        pieces=_common.power_of_2_pieces(row_width),
+        num_tokens=num_tokens,
     )
     return pl.pallas_call(
         kernel,
-        grid=(num_tokens,),  # One program per new token.
-        in_specs=[
-            pl.BlockSpec(),  # layer: whole array
-            pl.BlockSpec(),  # slot_mapping: whole array
-            pl.BlockSpec(),  # new_rows: whole array, indexed by token
-            pl.BlockSpec(),  # cache (aliased input)
-        ],
-        out_specs=pl.BlockSpec(),  # cache: whole array, written at slots only
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,  # layer, slot_mapping
+            grid=(1,),  # One program issues every token's DMA.
+            in_specs=[
+                pl.BlockSpec(memory_space=pl.ANY),  # new_rows stay in HBM
+                pl.BlockSpec(memory_space=pl.ANY),  # cache (aliased input)
+            ],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),  # cache, written by DMA
+            scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
+        ),
         out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-        input_output_aliases={3: 0},
-        compiler_params=_common.triton_params(num_warps=1, num_stages=1),
+        input_output_aliases={3: 0},  # Operand 3 counts the two prefetch scalars.
+        compiler_params=_common.mosaic_params(("arbitrary",)),
         interpret=interpret_param,
         name="paged_scatter",
     )(layer, slot_mapping, new_rows, cache)
-
-  kernel = functools.partial(
-      _mosaic_kernel,
-      layout=layout,
-      block_size=dims["N"],
-      num_slots=dims["B"] * dims["N"],
-      num_layers=dims["L"],
-      num_tokens=num_tokens,
-  )
-  return pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,  # layer, slot_mapping
-          grid=(1,),  # One program issues every token's DMA.
-          in_specs=[
-              pl.BlockSpec(memory_space=pl.ANY),  # new_rows stay in HBM
-              pl.BlockSpec(memory_space=pl.ANY),  # cache (aliased input)
-          ],
-          out_specs=pl.BlockSpec(memory_space=pl.ANY),  # cache, written by DMA
-          scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-      ),
-      out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-      input_output_aliases={3: 0},  # Operand 3 counts the two prefetch scalars.
-      compiler_params=_common.mosaic_params(("arbitrary",)),
-      interpret=interpret_param,
-      name="paged_scatter",
-  )(layer, slot_mapping, new_rows, cache)
 
 
 @functools.partial(
@@ -193,67 +193,65 @@ def paged_scatter(
     backend: str | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:  # [B, L, H, N, C], the same buffer as `cache`
-  """Writes each new token's rows at its slot of layer `layer_idx`, in place.
+    """Writes each new token's rows at its slot of layer `layer_idx`, in place.
 
-  Dimensions: T new tokens; B blocks; L layers sharing the buffer; H KV heads
-  (the per-shard slice under `shard_map`); N block size; C row channels (for
-  attention K and V concatenated: `K = row[:head_size]`, `V = row[head_size:]`;
-  for MLA the latent; any dtype, uint8 included).
+    Dimensions: T new tokens; B blocks; L layers sharing the buffer; H KV heads
+    (the per-shard slice under `shard_map`); N block size; C row channels (for
+    attention K and V concatenated: `K = row[:head_size]`, `V = row[head_size:]`;
+    for MLA the latent; any dtype, uint8 included).
 
-  Token t goes to block `slot_mapping[t] // N`, position `slot_mapping[t] % N`;
-  slot -1 writes nothing, and neither does a slot past the pool (`>= B * N`) or a
-  layer outside the buffer: out-of-range writes are dropped, as in the reference,
-  never clamped onto another block. Slots must be unique within a call. Prefill chunks and
-  decode tokens mix freely.
+    Token t goes to block `slot_mapping[t] // N`, position `slot_mapping[t] % N`;
+    slot -1 writes nothing, and neither does a slot past the pool (`>= B * N`) or a
+    layer outside the buffer: out-of-range writes are dropped, as in the reference,
+    never clamped onto another block. Slots must be unique within a call. Prefill chunks and
+    decode tokens mix freely.
 
-  `cache` is donated and aliased to the output (`input_output_aliases`), so no
-  copy is made when this is the outermost jit; a caller that wraps it in its
-  own jit must donate the cache there for the same effect. Do not use `cache`
-  after the call.
+    `cache` is donated and aliased to the output (`input_output_aliases`), so no
+    copy is made when this is the outermost jit; a caller that wraps it in its
+    own jit must donate the cache there for the same effect. Do not use `cache`
+    after the call.
 
-  Args:
-    cache: the shared buffer; `layout` names its axis order ("BLHNC" block-outer,
-      the default; also "BLNHC", "LBHNC", "LBNHC").
-    new_rows: the rows to write, dtype equal to the cache's.
-    slot_mapping: per token, its slot or -1.
-    layer_idx: which layer of the buffer to write; a Python int or a traced
-      scalar (e.g. inside a scan over layers), traced either way so that layers
-      share one compilation. Outside [0, L) nothing is written.
-    backend: "triton" (GPU; also the kernel interpreted on CPU) or "mosaic"
-      (TPU); None picks by `jax.default_backend()`.
-    interpret: run the kernel in the Pallas interpreter; None means yes unless a
-      GPU or TPU is the default backend.
+    Args:
+      cache: the shared buffer; `layout` names its axis order ("BLHNC" block-outer,
+        the default; also "BLNHC", "LBHNC", "LBNHC").
+      new_rows: the rows to write, dtype equal to the cache's.
+      slot_mapping: per token, its slot or -1.
+      layer_idx: which layer of the buffer to write; a Python int or a traced
+        scalar (e.g. inside a scan over layers), traced either way so that layers
+        share one compilation. Outside [0, L) nothing is written.
+      backend: "triton" (GPU; also the kernel interpreted on CPU) or "mosaic"
+        (TPU); None picks by `jax.default_backend()`.
+      interpret: run the kernel in the Pallas interpreter; None means yes unless a
+        GPU or TPU is the default backend.
 
-  Multi-device: under `shard_map` with the cache and `new_rows` split over H
-  (and `slot_mapping` replicated), each shard writes its own head slice.
-  """
-  backend, interpret = _common.resolve_backend(backend, interpret)
-  dims = _common.cache_dims(cache.shape, layout)
-  if new_rows.ndim != 3:
-    raise ValueError(f"new_rows must be [T, H, C], got shape {new_rows.shape}.")
-  num_tokens, num_heads, row_width = new_rows.shape
-  if (num_heads, row_width) != (dims["H"], dims["C"]):
-    raise ValueError(
-        f"new_rows [T, H, C]={new_rows.shape} must match the cache's "
-        f"H={dims['H']} and C={dims['C']} (cache {cache.shape}, {layout=})."
+    Multi-device: under `shard_map` with the cache and `new_rows` split over H
+    (and `slot_mapping` replicated), each shard writes its own head slice.
+    """
+    backend, interpret = _common.resolve_backend(backend, interpret)
+    dims = _common.cache_dims(cache.shape, layout)
+    if new_rows.ndim != 3:
+        raise ValueError(f"new_rows must be [T, H, C], got shape {new_rows.shape}.")
+    num_tokens, num_heads, row_width = new_rows.shape
+    if (num_heads, row_width) != (dims["H"], dims["C"]):
+        raise ValueError(
+            f"new_rows [T, H, C]={new_rows.shape} must match the cache's "
+            f"H={dims['H']} and C={dims['C']} (cache {cache.shape}, {layout=})."
+        )
+    if new_rows.dtype != cache.dtype:
+        raise ValueError(f"{new_rows.dtype=} must equal {cache.dtype=}; cast the rows with .astype first.")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"{slot_mapping.shape=} must be ({num_tokens},), one slot per token.")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"{slot_mapping.dtype=} must be an integer dtype (int32).")
+    if num_tokens == 0:
+        return cache
+    layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
+    return _paged_scatter_call(
+        cache,
+        new_rows,
+        slot_mapping.astype(jnp.int32),
+        layer,
+        layout=layout,
+        backend=backend,
+        interpret=interpret,
     )
-  if new_rows.dtype != cache.dtype:
-    raise ValueError(
-        f"{new_rows.dtype=} must equal {cache.dtype=}; cast the rows with .astype first."
-    )
-  if slot_mapping.shape != (num_tokens,):
-    raise ValueError(f"{slot_mapping.shape=} must be ({num_tokens},), one slot per token.")
-  if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-    raise ValueError(f"{slot_mapping.dtype=} must be an integer dtype (int32).")
-  if num_tokens == 0:
-    return cache
-  layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
-  return _paged_scatter_call(
-      cache,
-      new_rows,
-      slot_mapping.astype(jnp.int32),
-      layer,
-      layout=layout,
-      backend=backend,
-      interpret=interpret,
-  )

@@ -1,7 +1,6 @@
 """Fixtures of the example tests."""
 
 import pytest
-
 from decode_runs import COMPILATION_CACHE, run_decode
 
 

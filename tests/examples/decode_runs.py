@@ -15,8 +15,24 @@ from pathlib import Path
 EXAMPLES = Path(__file__).parents[2] / "examples"
 DECODE = [sys.executable, str(EXAMPLES / "decode.py")]
 # Tiny model (window 8, block 4), a pool small enough to preempt, a shared system prompt.
-TINY = ["--tiny", "--check", "--num-prompts", "8", "--max-prompt-len", "40", "--max-new-tokens", "16",
-        "--block-size", "4", "--num-blocks", "70", "--system-prompt-len", "12", "--max-num-batched-tokens", "16"]
+TINY = [
+    "--tiny",
+    "--check",
+    "--num-prompts",
+    "8",
+    "--max-prompt-len",
+    "40",
+    "--max-new-tokens",
+    "16",
+    "--block-size",
+    "4",
+    "--num-blocks",
+    "70",
+    "--system-prompt-len",
+    "12",
+    "--max-num-batched-tokens",
+    "16",
+]
 DIGEST = re.compile(r"generated tokens digest (\w+)")
 
 
@@ -31,7 +47,6 @@ def decode_env(**extra: str) -> dict[str, str]:
 
 
 def run_decode(*extra: str, timeout: int = 600) -> str:
-    result = subprocess.run([*DECODE, *TINY, *extra], env=decode_env(), capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run([*DECODE, *TINY, *extra], env=decode_env(), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout

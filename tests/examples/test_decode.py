@@ -25,7 +25,17 @@ def test_sharded_over_four_devices_gives_the_same_tokens(one_device):
 
 def test_pool_running_dry_inside_a_device_decode_loop_preempts():
     # Two long decodes in a 54-block pool: a device loop stalls, the host step preempts one.
-    out = run_decode("--num-prompts", "2", "--max-prompt-len", "4", "--system-prompt-len", "2",
-                     "--max-new-tokens", "60", "--num-blocks", "54")
+    out = run_decode(
+        "--num-prompts",
+        "2",
+        "--max-prompt-len",
+        "4",
+        "--system-prompt-len",
+        "2",
+        "--max-new-tokens",
+        "60",
+        "--num-blocks",
+        "54",
+    )
     assert re.search(r"check: \d+ logit rows of 2 requests .*; 0 mismatching requests", out)
     assert int(re.search(r"preemptions: (\d+)", out).group(1)) >= 1

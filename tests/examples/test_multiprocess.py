@@ -38,10 +38,25 @@ def run_processes(tmp_path, *extra: str) -> list[tuple[int | None, str]]:
     try:
         for i, log in enumerate(logs):
             with log.open("w") as f:
-                procs.append(subprocess.Popen(
-                    [*DECODE, *TINY, *extra, "--coordinator", coordinator,
-                     "--num-processes", str(NUM_PROCESSES), "--process-id", str(i)],
-                    env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            *DECODE,
+                            *TINY,
+                            *extra,
+                            "--coordinator",
+                            coordinator,
+                            "--num-processes",
+                            str(NUM_PROCESSES),
+                            "--process-id",
+                            str(i),
+                        ],
+                        env=env,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
         deadline = time.monotonic() + TIMEOUT_S
         for p in procs:
             try:

@@ -33,24 +33,22 @@ _ABSTRACT_DEVICES = {
 
 
 def _lower(fn, platform, *args, **kwargs) -> str:
-  """The StableHLO text of `fn` lowered for `platform` ("cuda" or "tpu")."""
-  backend = {"cuda": "triton", "tpu": "mosaic"}[platform]
-  mesh = AbstractMesh(
-      (1,), ("x",), (AxisType.Explicit,), abstract_device=_ABSTRACT_DEVICES[platform]
-  )
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")  # No warning may escape, deprecations included.
-    with jax.sharding.use_abstract_mesh(mesh):
-      traced = fn.trace(*args, **kwargs, backend=backend, interpret=False)
-      return traced.lower(lowering_platforms=(platform,)).as_text()
+    """The StableHLO text of `fn` lowered for `platform` ("cuda" or "tpu")."""
+    backend = {"cuda": "triton", "tpu": "mosaic"}[platform]
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=_ABSTRACT_DEVICES[platform])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # No warning may escape, deprecations included.
+        with jax.sharding.use_abstract_mesh(mesh):
+            traced = fn.trace(*args, **kwargs, backend=backend, interpret=False)
+            return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
 _KERNEL_CALL = {"cuda": re.compile(r"custom_call @\S*triton"), "tpu": re.compile(r"tpu_custom_call")}
 
 
 def _cache(layout, *, dtype, block_size=16, num_heads=2, row_width=256):
-  dims = {"B": 64, "L": 3, "H": num_heads, "N": block_size, "C": row_width}
-  return S(tuple(dims[axis] for axis in layout), dtype)
+    dims = {"B": 64, "L": 3, "H": num_heads, "N": block_size, "C": row_width}
+    return S(tuple(dims[axis] for axis in layout), dtype)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
@@ -59,18 +57,18 @@ def _cache(layout, *, dtype, block_size=16, num_heads=2, row_width=256):
     [("BLHNC", jnp.bfloat16, 256), ("LBNHC", jnp.float32, 256), ("BLHNC", jnp.uint8, 656)],
 )
 def test_paged_scatter_lowers_in_place(platform, layout, dtype, row_width):
-  text = _lower(
-      paged_scatter,
-      platform,
-      _cache(layout, dtype=dtype, row_width=row_width),
-      S((40, 2, row_width), dtype),
-      S((40,), jnp.int32),
-      jnp.int32(1),
-      layout=layout,
-  )
-  assert _KERNEL_CALL[platform].search(text)
-  assert "output_operand_aliases" in text  # The kernel writes into its input.
-  assert "tf.aliasing_output = 0" in text  # The jit donates the cache.
+    text = _lower(
+        paged_scatter,
+        platform,
+        _cache(layout, dtype=dtype, row_width=row_width),
+        S((40, 2, row_width), dtype),
+        S((40,), jnp.int32),
+        jnp.int32(1),
+        layout=layout,
+    )
+    assert _KERNEL_CALL[platform].search(text)
+    assert "output_operand_aliases" in text  # The kernel writes into its input.
+    assert "tf.aliasing_output = 0" in text  # The jit donates the cache.
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
@@ -84,74 +82,75 @@ def test_paged_scatter_lowers_in_place(platform, layout, dtype, row_width):
     ids=["full-bf16", "window-f32-LBNHC", "chunk-capped-bf16-block8"],
 )
 def test_paged_attention_lowers(platform, options):
-  options = dict(options)
-  dtype = options.pop("dtype")
-  layout = options.get("layout", "BLHNC")
-  block_size = options.pop("block_size", 16)
-  num_requests, num_tokens = 8, 40
-  text = _lower(
-      paged_attention,
-      platform,
-      S((num_tokens, 8, 128), dtype),  # GQA 4
-      _cache(layout, dtype=dtype, block_size=block_size),
-      S((num_requests + 1,), jnp.int32),
-      S((num_requests,), jnp.int32),
-      S((num_requests, 32), jnp.int32),
-      jnp.int32(2),
-      **options,
-  )
-  assert _KERNEL_CALL[platform].search(text)
+    options = dict(options)
+    dtype = options.pop("dtype")
+    layout = options.get("layout", "BLHNC")
+    block_size = options.pop("block_size", 16)
+    num_requests, num_tokens = 8, 40
+    text = _lower(
+        paged_attention,
+        platform,
+        S((num_tokens, 8, 128), dtype),  # GQA 4
+        _cache(layout, dtype=dtype, block_size=block_size),
+        S((num_requests + 1,), jnp.int32),
+        S((num_requests,), jnp.int32),
+        S((num_requests, 32), jnp.int32),
+        jnp.int32(2),
+        **options,
+    )
+    assert _KERNEL_CALL[platform].search(text)
 
 
 def test_block_count_output_lowers_for_cuda():
-  text = _lower(
-      paged_attention,
-      "cuda",
-      S((4, 2, 64), jnp.bfloat16),
-      _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
-      S((5,), jnp.int32),
-      S((4,), jnp.int32),
-      S((4, 32), jnp.int32),
-      0,
-      sliding_window=100,
-      return_blocks_read=True,
-  )
-  assert _KERNEL_CALL["cuda"].search(text)
-
-
-def test_triton_rejects_shapes_it_cannot_tile():
-  with pytest.raises(ValueError, match="block_size=12 must be a power of 2"):
-    _lower(
+    text = _lower(
         paged_attention,
         "cuda",
-        S((4, 2, 64), jnp.bfloat16),
-        _cache("BLHNC", dtype=jnp.bfloat16, block_size=12, row_width=128),
-        S((5,), jnp.int32),
-        S((4,), jnp.int32),
-        S((4, 32), jnp.int32),
-        0,
-    )
-
-
-def test_triton_deprecation_warning_is_filtered():
-  # jax >= 0.11 warns at every Triton lowering, after the entry has returned;
-  # the filter installed at trace time must outlive the call and win over an
-  # "error" filter set around it.
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    paged_attention.trace(
         S((4, 2, 64), jnp.bfloat16),
         _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
         S((5,), jnp.int32),
         S((4,), jnp.int32),
         S((4, 32), jnp.int32),
         0,
-        backend="triton",
-        interpret=False,
+        sliding_window=100,
+        return_blocks_read=True,
     )
-    warnings.warn(
-        "The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
-        DeprecationWarning,
-    )
-    with pytest.raises(DeprecationWarning):
-      warnings.warn("something else is deprecated", DeprecationWarning)
+    assert _KERNEL_CALL["cuda"].search(text)
+
+
+def test_triton_rejects_shapes_it_cannot_tile():
+    with pytest.raises(ValueError, match="block_size=12 must be a power of 2"):
+        _lower(
+            paged_attention,
+            "cuda",
+            S((4, 2, 64), jnp.bfloat16),
+            _cache("BLHNC", dtype=jnp.bfloat16, block_size=12, row_width=128),
+            S((5,), jnp.int32),
+            S((4,), jnp.int32),
+            S((4, 32), jnp.int32),
+            0,
+        )
+
+
+def test_triton_deprecation_warning_is_filtered():
+    # jax >= 0.11 warns at every Triton lowering, after the entry has returned;
+    # the filter installed at trace time must outlive the call and win over an
+    # "error" filter set around it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paged_attention.trace(
+            S((4, 2, 64), jnp.bfloat16),
+            _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
+            S((5,), jnp.int32),
+            S((4,), jnp.int32),
+            S((4, 32), jnp.int32),
+            0,
+            backend="triton",
+            interpret=False,
+        )
+        warnings.warn(
+            "The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        with pytest.raises(DeprecationWarning):
+            warnings.warn("something else is deprecated", DeprecationWarning, stacklevel=2)

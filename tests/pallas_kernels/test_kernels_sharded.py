@@ -65,16 +65,16 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_shard_map_over_kv_heads():
-  here = Path(__file__).parent
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run(
-      [sys.executable, "-c", _SCRIPT, str(here)],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert "sharded ok" in result.stdout
+    here = Path(__file__).parent
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(here)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sharded ok" in result.stdout
