@@ -1,8 +1,14 @@
-"""Serve a small Gemma-3-style hybrid model with jaxkv, and check it against a cache-free model.
+"""Serve a hybrid model with jaxkv (a small Gemma-3-style toy, or a Hugging Face checkpoint), and
+check it against a cache-free forward pass.
 
     python examples/decode.py                 # serve a batch of prompts, print the figures
     python examples/decode.py --check         # also compare every logit with a dense forward pass
     python examples/decode.py --check --tp 4  # the same, the cache and kernels sharded over 4 devices
+
+    # A Gemma 3 or gpt-oss checkpoint directory (config.json, model.safetensors, tokenizer.json):
+    python examples/decode.py --checkpoint DIR --prompt "Why is the sky blue?" --max-new-tokens 64
+    # Token ids in, greedy tokens and every computed logit out (row p predicts token p + 1):
+    python examples/decode.py --checkpoint DIR --prompt-tokens prompts.json --ignore-eos --logits-out out.npz
 
     # The same over 2 processes of 2 CPU devices each (one command per process, same port):
     python examples/decode.py --check --tp 4 --coordinator localhost:8476 --num-processes 2 --process-id 0
@@ -16,18 +22,36 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import sys
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", metavar="DIR", help="serve this Hugging Face checkpoint (Gemma 3, gpt-oss)")
+    p.add_argument("--prompt", action="append", help="a prompt's text (with --checkpoint); repeat for more")
+    p.add_argument("--prompt-tokens", metavar="FILE.json", help="prompts as token ids: a JSON list of lists")
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), help="weights, activations and cache (default: the checkpoint's)"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+    p.add_argument(
+        "--logits-out",
+        metavar="OUT.npz",
+        help="write tokens_i int32[N] and logits_i float32[L + N - 1, V] per prompt i (NaN: a row never computed)",
+    )
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--system-prompt-len", type=int, default=48)
     p.add_argument("--max-prompt-len", type=int, default=220, help="longest user part of a prompt")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=100, help="KV pool size, null block included")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        help="KV pool size, null block included (default: 100 for the toy model; with --checkpoint, enough for "
+        "--max-num-seqs requests at once)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per on-device loop")
@@ -47,6 +71,48 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def read_prompts(args, checkpoint, vocab_size: int) -> list[list[int]]:
+    """--prompt-tokens, else --prompt (tokenized), else the toy's random prompts with a shared system prompt."""
+    import numpy as np
+
+    if args.prompt_tokens is not None:
+        with open(args.prompt_tokens) as f:
+            prompts = json.load(f)
+        if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)):
+            raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: expected a JSON list of non-empty lists of ids")
+        bad = [t for p in prompts for t in p if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: token {bad[0]!r} is not an id below {vocab_size}")
+        return prompts
+    if args.prompt:
+        if checkpoint is None:
+            raise SystemExit("--prompt needs --checkpoint (its tokenizer); give the toy model --prompt-tokens")
+        return [checkpoint.encode(text) for text in args.prompt]
+    if checkpoint is not None:
+        raise SystemExit("--checkpoint needs --prompt or --prompt-tokens")
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(0, vocab_size, args.system_prompt_len).tolist()
+    return [
+        system + rng.integers(0, vocab_size, int(n)).tolist()
+        for n in rng.integers(1, args.max_prompt_len + 1, args.num_prompts)
+    ]
+
+
+def write_logits(path: str, requests, vocab_size: int) -> None:
+    """tokens_i int32[N] and logits_i float32[L + N - 1, V] per request i; rows never computed are NaN,
+    a row computed twice (after a preemption) holds its last computation."""
+    import numpy as np
+
+    out = {}
+    for r in requests:
+        logits = np.full((len(r.tokens) - 1, vocab_size), np.nan, np.float32)
+        for position, row in r.logits.items():
+            logits[position] = row
+        out[f"tokens_{r.request_id}"] = np.asarray(r.output, np.int32)
+        out[f"logits_{r.request_id}"] = logits
+    np.savez(path, **out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tp % args.num_processes:
@@ -63,34 +129,45 @@ def main(argv=None) -> int:
         from sharding import initialize_processes
 
         initialize_processes(args.coordinator, args.num_processes, args.process_id)
-    import numpy as np
-    from flax import nnx
-    from model import Decoder, ModelConfig
     from serving import ServingLoop
     from sharding import model_mesh
 
     import jaxkv
 
-    model_cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
-    rng = np.random.default_rng(args.seed)
-    system = rng.integers(0, model_cfg.vocab_size, args.system_prompt_len).tolist()
-    prompts = [
-        system + rng.integers(0, model_cfg.vocab_size, int(n)).tolist()
-        for n in rng.integers(1, args.max_prompt_len + 1, args.num_prompts)
-    ]
+    checkpoint = None
+    if args.checkpoint is not None:
+        from checkpoint import load_model, open_checkpoint
+
+        checkpoint = open_checkpoint(args.checkpoint)
+        model = load_model(checkpoint, args.dtype)
+        specs = jaxkv.specs_from_hf_config(
+            checkpoint.config, dtype=model.embed_tokens[...].dtype, block_size=args.block_size
+        )
+        eos_token_ids = () if args.ignore_eos else checkpoint.eos_token_ids
+        vocab_size = checkpoint.text.vocab_size
+    else:
+        from flax import nnx
+        from model import Decoder, ModelConfig
+
+        model_cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
+        model = Decoder(model_cfg, rngs=nnx.Rngs(args.seed))
+        specs = model_cfg.kv_cache_specs(args.block_size)
+        eos_token_ids = ()
+        vocab_size = model_cfg.vocab_size
+    prompts = read_prompts(args, checkpoint, vocab_size)
     max_model_len = max(map(len, prompts)) + args.max_new_tokens
-    specs = model_cfg.kv_cache_specs(args.block_size)
     probe = jaxkv.plan(
         specs, 1 << 40, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm"
     )
+    if args.num_blocks is not None:
+        budget = args.num_blocks * probe.bytes_per_block
+    elif checkpoint is None:
+        budget = 100 * probe.bytes_per_block
+    else:
+        budget = args.max_num_seqs * probe.bytes_per_request(max_model_len) + probe.bytes_per_block
     kv_cfg = jaxkv.plan(
-        specs,
-        args.num_blocks * probe.bytes_per_block,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        grouping="vllm",
+        specs, budget, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm"
     )
-    model = Decoder(model_cfg, rngs=nnx.Rngs(args.seed))
     mesh = model_mesh(args.tp) if args.tp > 1 else None
     loop = ServingLoop(
         model,
@@ -98,10 +175,10 @@ def main(argv=None) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_steps=args.decode_steps,
-        record_logits=args.check,
+        record_logits=args.check or args.logits_out is not None,
         mesh=mesh,
     )
-    requests = loop.generate(prompts, args.max_new_tokens, progress=True)
+    requests = loop.generate(prompts, args.max_new_tokens, eos_token_ids, progress=True)
     s = loop.stats
     digest = hashlib.sha256(repr([r.output for r in requests]).encode()).hexdigest()[:16]
     full = kv_cfg.all_full
@@ -129,7 +206,7 @@ def main(argv=None) -> int:
         "peak KV blocks in use per group: "
         + ", ".join(f"{g.describe()}×{len(g.layer_names)}: {n}" for g, n in zip(kv_cfg.groups, s.peak_blocks_per_group))
     )
-    page = specs[model_cfg.layer_name(0)].page_size_bytes
+    page = next(iter(specs.values())).page_size_bytes
     all_full_bytes = len(specs) * jaxkv.cdiv(max_model_len, args.block_size) * page
     if full is None:
         versus = "an all-full-attention cache in the same memory could not hold one request"
@@ -143,6 +220,11 @@ def main(argv=None) -> int:
         f"of {max_model_len}-token requests, {versus}; bytes per {max_model_len}-token request: "
         f"{kv_cfg.bytes_per_request(max_model_len):,} vs {all_full_bytes:,} all-full"
     )
+    if checkpoint is not None:
+        for r in requests:
+            print(f"[{r.request_id}] {checkpoint.decode(r.prompt)!r} -> {checkpoint.decode(r.output)!r}")
+    if args.logits_out is not None:
+        write_logits(args.logits_out, requests, vocab_size)
     if not args.check:
         return 0
     from check import compare_with_dense

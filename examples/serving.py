@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from model import Decoder
 from sharding import cache_sharding, out_shardings
 
 import jaxkv
@@ -44,6 +43,7 @@ class Request:
     request_id: int
     prompt: list[int]
     max_new_tokens: int
+    eos_token_ids: tuple[int, ...] = ()  # the request ends after producing one of these
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V is in the cache (0 while waiting)
     num_preemptions: int = 0
@@ -55,7 +55,7 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return len(self.output) >= self.max_new_tokens or bool(self.output and self.output[-1] in self.eos_token_ids)
 
 
 @dataclasses.dataclass
@@ -108,12 +108,12 @@ def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_sl
 
 
 class ServingLoop:
-    """Serves a `Decoder` over a jaxkv plan: continuous batching, chunked prefill, prefix reuse,
-    preemption and resumption, and on-device multi-step decode."""
+    """Serves a decoder (model.py's toy, or a checkpoint's from hf_model.py) over a jaxkv plan: continuous
+    batching, chunked prefill, prefix reuse, preemption and resumption, and on-device multi-step decode."""
 
     def __init__(
         self,
-        model: Decoder,
+        model: nnx.Module,
         kv_cfg: jaxkv.KVCacheConfig,
         *,
         max_num_seqs: int = 8,
@@ -146,11 +146,20 @@ class ServingLoop:
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
     # ---- the loop ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], progress: bool = False):
-        """Serves every prompt to completion; returns the finished `Request`s in prompt order."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | list[int],
+        eos_token_ids: tuple[int, ...] = (),
+        progress: bool = False,
+    ):
+        """Serves every prompt to completion (`max_new_tokens`, or a token of `eos_token_ids`);
+        returns the finished `Request`s in prompt order."""
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * len(prompts)
-        requests = [Request(i, list(p), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
+        requests = [
+            Request(i, list(p), n, tuple(eos_token_ids)) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))
+        ]
         self.waiting = list(requests)
         self.running: list[Request] = []
         self._stalled = False  # a device loop ran out of blocks: the next step preempts on the host
@@ -277,16 +286,19 @@ class ServingLoop:
         for i, req in enumerate(list(self.running)):
             steps = np.flatnonzero(produced[:, i])
             self.stats.tokens_computed += len(steps)
-            for s in steps:
+            for s in steps[: self._emit(req, tokens[steps, i].tolist())]:  # none past an EOS
                 if self.record_logits:
                     req.logits[req.num_computed] = logits[s, i]
                 req.num_computed += 1
-            self._emit(req, tokens[steps, i].tolist())
         return bool((produced.sum(0)[:n] < np.minimum(remaining[:n], self.decode_steps)).any())
 
-    def _emit(self, req: Request, new_tokens: list[int]):
-        """Appends sampled tokens; frees the request once it has all its outputs."""
+    def _emit(self, req: Request, new_tokens: list[int]) -> int:
+        """Appends sampled tokens, up to the request's limit and its first EOS; frees the request
+        once it is done. Returns how many tokens it kept."""
         new_tokens = new_tokens[: req.max_new_tokens - len(req.output)]
+        eos = [j for j, t in enumerate(new_tokens) if t in req.eos_token_ids]
+        if eos:
+            new_tokens = new_tokens[: eos[0] + 1]
         req.output.extend(new_tokens)
         self.stats.tokens_generated += len(new_tokens)
         if req.done:
@@ -294,6 +306,7 @@ class ServingLoop:
             self.running.remove(req)
         elif new_tokens:
             self.mgr.append_token_ids(req.request_id, new_tokens)
+        return len(new_tokens)
 
     def _track_blocks(self):
         for g, n in enumerate(self.blocks_in_use()):
