@@ -54,6 +54,7 @@ def _paged_attention_call(
     q_tiles,  # [NT, H, R, D]
     cache,
     scalars,  # (layer, tile_req, tile_pos, tile_len, seq_lens, block_tables)
+    row_sinks,  # [H, R, 1] float32, each tile row's sink logit, or None
     *,
     cfg: AttentionConfig,
     layout: str,
@@ -66,6 +67,8 @@ def _paged_attention_call(
     grid = (num_tiles, num_kv_heads)  # One program per (query tile, KV head).
     o_shape = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, cfg.head_size_v), q_tiles.dtype)
     interpret_param = _common.interpret_arg(backend, interpret)
+    # With sinks, one more input after the cache: this KV head's [R, 1] row sinks.
+    sink_args = () if row_sinks is None else (row_sinks,)
 
     if backend == "triton":
         out_specs = [pl.BlockSpec((None, None, rows, cfg.head_size_v), lambda i, h: (i, h, 0, 0))]
@@ -83,19 +86,23 @@ def _paged_attention_call(
                 pl.BlockSpec((None, None, rows, cfg.head_size), lambda i, h: (i, h, 0, 0)),
                 # The cache: whole array, the kernel loads the blocks it needs.
                 pl.BlockSpec(),
-            ],
+            ]
+            + [pl.BlockSpec((None, rows, 1), lambda i, h: (h, 0, 0))] * len(sink_args),
             out_specs=out_specs,
             out_shape=out_shape,
             compiler_params=_common.triton_params(num_warps, num_stages),
             interpret=interpret_param,
             name="paged_attention",
-        )(*scalars, q_tiles, cache)
+        )(*scalars, q_tiles, cache, *sink_args)
 
     layer, tile_req, tile_pos, tile_len, seq_lens, block_tables = scalars
     max_blocks = block_tables.shape[1]
 
     def index(i, h, *prefetch):
         return (i, h, 0, 0)
+
+    def sinks_index(i, h, *prefetch):
+        return (h, 0, 0)
 
     (o_tiles,) = pl.pallas_call(
         functools.partial(mosaic_kernel, cfg=cfg, layout=layout, max_blocks=max_blocks),
@@ -105,7 +112,8 @@ def _paged_attention_call(
             in_specs=[
                 pl.BlockSpec((None, None, rows, cfg.head_size), index),  # q tile
                 pl.BlockSpec(memory_space=pl.ANY),  # cache stays in HBM
-            ],
+            ]
+            + [pl.BlockSpec((None, rows, 1), sinks_index)] * len(sink_args),  # row sinks (VMEM)
             out_specs=[pl.BlockSpec((None, None, rows, cfg.head_size_v), index)],
             scratch_shapes=[
                 pltpu.VMEM((2, cfg.block_size, cfg.head_size + cfg.head_size_v), cache.dtype),
@@ -116,7 +124,7 @@ def _paged_attention_call(
         compiler_params=_common.mosaic_params(("parallel", "parallel")),
         interpret=interpret_param,
         name="paged_attention",
-    )(layer, tile_req, tile_pos, tile_len, seq_lens, block_tables.reshape(-1), q_tiles, cache)
+    )(layer, tile_req, tile_pos, tile_len, seq_lens, block_tables.reshape(-1), q_tiles, cache, *sink_args)
     return [o_tiles]
 
 
@@ -146,6 +154,7 @@ def paged_attention(
     sliding_window: int | None = None,
     attention_chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [QH] float32
     layout: str = _common.DEFAULT_LAYOUT,
     block_q: int | None = None,
     backend: str | None = None,
@@ -175,6 +184,12 @@ def paged_attention(
     window are never read, and a decode reads at most
     `cdiv(sliding_window - 1, N) + 1` blocks at any context length.
 
+    Attention sinks (gpt-oss): `sinks[h]` is one more logit in every softmax row
+    of query head h, in the denominator only (no value), never masked by the
+    causal rule, window or chunk:
+    `o = sum_k e^(s_k - m) v_k / (e^(sinks[h] - m) + sum_k e^(s_k - m))`. A
+    query that sees no key gives 0. The blocks read are the same as without.
+
     Jitted; everything after `layer_idx` is static. `layer_idx` is traced (one
     compilation serves every layer) and not range-checked.
 
@@ -182,6 +197,8 @@ def paged_attention(
       sm_scale: logit scale, default `D ** -0.5`.
       logits_soft_cap: if set, logits become `cap * tanh(logits / cap)` (after
         scaling).
+      sinks: float [QH] sink logits, one per query head (traced, computed on in
+        float32), or None: no sink term, and no sink work in the kernel.
       layout: the cache's axis order, "BLHNC" (block-outer, default), "BLNHC",
         "LBHNC" or "LBNHC".
       block_q: queries per tile (power of 2 on GPU); default fills 16 rows of
@@ -238,6 +255,11 @@ def paged_attention(
         raise ValueError(f"{attention_chunk_size=} must be at least 1.")
     if logits_soft_cap is not None and logits_soft_cap <= 0:
         raise ValueError(f"{logits_soft_cap=} must be positive.")
+    if sinks is not None:
+        if sinks.shape != (num_q_heads,):
+            raise ValueError(f"sinks must be [QH] = ({num_q_heads},), one logit per query head, got {sinks.shape=}.")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"{sinks.dtype=} must be a float dtype (float32).")
     if return_blocks_read and backend != "triton":
         raise ValueError(f"return_blocks_read=True needs backend='triton', got {backend=}.")
 
@@ -273,6 +295,7 @@ def paged_attention(
         attention_chunk_size=attention_chunk_size,
         logits_soft_cap=logits_soft_cap,
         use_dot=use_dot,
+        sinks=sinks is not None,
     )
 
     query_start_loc = query_start_loc.astype(jnp.int32)
@@ -291,10 +314,21 @@ def paged_attention(
     q_tiles = q_tiles.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_size)
 
     layer = jnp.asarray(layer_idx, jnp.int32).reshape(1)
+    row_sinks = None
+    if sinks is not None:
+        # [H, R, 1]: row query * group_pad + head holds query head kv_head * G + head's
+        # sink; padding heads get 0 (their rows see no key and come out 0).
+        row_sinks = jnp.pad(
+            sinks.astype(jnp.float32).reshape(num_kv_heads, group_size), ((0, 0), (0, group_pad - group_size))
+        )
+        row_sinks = jnp.broadcast_to(row_sinks[:, None], (num_kv_heads, block_q, group_pad)).reshape(
+            num_kv_heads, rows, 1
+        )
     outs = _paged_attention_call(
         q_tiles,
         cache,
         (layer, tile_req, tile_pos, tile_len, seq_lens, block_tables),
+        row_sinks,
         cfg=cfg,
         layout=layout,
         backend=backend,

@@ -30,16 +30,14 @@ def mosaic_kernel(
     # Inputs
     q_ref,  # [R, D] (VMEM), this tile's queries for this KV head
     cache_hbm_ref,  # [B, L, H, N, D + Dv] in `layout` order (HBM)
-    # Outputs
-    o_ref,  # [R, Dv] (VMEM)
-    # Scratch
-    kv_bufs,  # [2, N, D + Dv] (VMEM), double buffer
-    sems,  # DMA semaphores [2]
-    *,
+    *refs,  # if cfg.sinks: sinks_ref [R, 1] float32 (VMEM), each row's sink logit; then the rest
+    # Outputs: o_ref [R, Dv] (VMEM)
+    # Scratch: kv_bufs [2, N, D + Dv] (VMEM), double buffer; sems, DMA semaphores [2]
     cfg: AttentionConfig,
     layout: str,
     max_blocks: int,
 ):
+    sinks_ref, (o_ref, kv_bufs, sems) = (refs[0], refs[1:]) if cfg.sinks else (None, refs)
     tile, kv_head = pl.program_id(0), pl.program_id(1)
     req = tile_req_ref[tile]
     first_query_pos = tile_pos_ref[tile]
@@ -85,5 +83,6 @@ def mosaic_kernel(
             cfg=cfg,
         )
 
-    state = lax.fori_loop(first_block, end_block, body, softmax.init_state(cfg))
+    state = softmax.init_state(cfg, None if sinks_ref is None else sinks_ref[...])
+    state = lax.fori_loop(first_block, end_block, body, state)
     o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)

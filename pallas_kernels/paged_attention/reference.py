@@ -24,6 +24,7 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     attention_chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [QH]
     layout: str = _common.DEFAULT_LAYOUT,
 ) -> jax.Array:  # [T, QH, Dv]
     """Same contract as `paged_attention`."""
@@ -62,11 +63,16 @@ def paged_attention_reference(
     if logits_soft_cap is not None:
         s = jnp.tanh(s / logits_soft_cap) * logits_soft_cap
     s = jnp.where(mask, s, -jnp.inf)
+    if sinks is not None:
+        # As transformers' gpt-oss: the sink is one more logit column of every row, never masked;
+        # softmax over the row, then the column is dropped (it only adds to the denominator).
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, num_kv_heads, group_size, 1), s.shape[:-1] + (1,))
+        s = jnp.concatenate([s, sink], axis=-1)  # [T, H, G, K + 1]
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(mask, jnp.exp(s - m), 0.0)
+    e = jnp.exp(s - m)  # masked logits are -inf: 0
     denom = jnp.sum(e, axis=-1, keepdims=True)
-    w = e / jnp.where(denom > 0, denom, 1.0)  # [T, H, G, K]
+    w = (e / jnp.where(denom > 0, denom, 1.0))[..., :num_keys]  # [T, H, G, K]
     # where, not einsum: unread slots may hold NaN, and NaN * 0 = NaN.
     out = jnp.where(mask[..., None], w[..., None] * v[:, :, None], 0.0).sum(axis=3)
     return out.reshape(num_tokens, num_q_heads, -1).astype(q.dtype)

@@ -9,6 +9,12 @@ Positions are token positions within a request, 0-based. The key at position
 k is visible to the query at q iff k <= q and
   sliding window W:     q - W < k
   chunked local, C:     k // C == q // C
+
+Attention sinks (gpt-oss): query head h has a learned logit sigma_h that joins
+every row's softmax denominator and nothing else (no value, no mask):
+  o = sum_j e^(s_j - m) v_j / (e^(sigma_h - m) + sum_j e^(s_j - m))
+The online softmax starts such a row at running max sigma_h and running sum 1
+(its own term, e^(sigma_h - sigma_h)), so the loop and `finalize` are unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class AttentionConfig:
     attention_chunk_size: int | None
     logits_soft_cap: float | None
     use_dot: bool  # matrix units for the two products; elementwise otherwise
+    sinks: bool  # each row starts with its query head's sink logit (an extra input)
 
     @property
     def rows(self) -> int:
@@ -109,13 +116,17 @@ def row_positions(first_query_pos, num_queries, cfg: AttentionConfig):
     return first_query_pos + query_in_tile, real
 
 
-def init_state(cfg: AttentionConfig):
-    """(running max [R, 1], running sum [R, 1], unnormalised output [R, Dv]), float32."""
-    return (
-        jnp.full((cfg.rows, 1), MASK_VALUE, jnp.float32),
-        jnp.zeros((cfg.rows, 1), jnp.float32),
-        jnp.zeros((cfg.rows, cfg.head_size_v), jnp.float32),
-    )
+def init_state(cfg: AttentionConfig, sinks=None):
+    """(running max [R, 1], running sum [R, 1], unnormalised output [R, Dv]), float32.
+
+    sinks: float32 [R, 1], each row's sink logit, or None. A row with a sink
+    starts as if it had seen one key of logit sigma and value 0: max sigma, sum
+    e^(sigma - sigma) = 1, output 0. A row that then sees no key comes out 0.
+    """
+    acc = jnp.zeros((cfg.rows, cfg.head_size_v), jnp.float32)
+    if sinks is None:
+        return jnp.full((cfg.rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((cfg.rows, 1), jnp.float32), acc
+    return sinks.astype(jnp.float32), jnp.ones((cfg.rows, 1), jnp.float32), acc
 
 
 def _scores(q, k, cfg: AttentionConfig):

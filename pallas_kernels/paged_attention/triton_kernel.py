@@ -29,12 +29,12 @@ def triton_kernel(
     # Inputs: blocks
     q_ref,  # [R, D], this tile's queries for this KV head
     cache_ref,  # [B, L, H, N, D + Dv] in `layout` order, whole array
-    # Outputs
-    o_ref,  # [R, Dv]
-    *blocks_read_refs,  # [1] int32 if counting: blocks this program loaded
+    *refs,  # if cfg.sinks: sinks_ref [R, 1] float32, each row's sink logit; then the outputs
+    # Outputs: o_ref [R, Dv]; if counting, blocks_read_ref [1] int32, blocks this program loaded
     cfg: AttentionConfig,
     layout: str,
 ):
+    sinks_ref, (o_ref, *blocks_read_refs) = (refs[0], refs[1:]) if cfg.sinks else (None, refs)
     tile, kv_head = pl.program_id(0), pl.program_id(1)
     req = tile_req_ref[tile]
     first_query_pos = tile_pos_ref[tile]
@@ -74,7 +74,8 @@ def triton_kernel(
         )
         return state, blocks_read + 1
 
-    state, blocks_read = lax.fori_loop(first_block, end_block, body, (softmax.init_state(cfg), 0))
+    state = softmax.init_state(cfg, None if sinks_ref is None else sinks_ref[...])
+    state, blocks_read = lax.fori_loop(first_block, end_block, body, (state, 0))
     o_ref[...] = softmax.finalize(state).astype(o_ref.dtype)
     if blocks_read_refs:
         (blocks_read_ref,) = blocks_read_refs

@@ -31,6 +31,7 @@ class AttentionCase:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     logits_soft_cap: float | None = None
+    sinks: bool = False  # one sink logit per query head (gpt-oss), see build_sinks
     layout: str = "BLHNC"
     dtype: str = "float32"
 
@@ -79,6 +80,17 @@ def build_attention_inputs(case: AttentionCase, rng: np.random.Generator):
     )
 
 
+def build_sinks(case: AttentionCase, rng: np.random.Generator) -> np.ndarray | None:
+    """float32 [QH] sink logits if `case.sinks`, else None.
+
+    Spread like the logits (sd 2 around 0), so a sink takes a visible share of a
+    short window's softmax and a small one of a long context's.
+    """
+    if not case.sinks:
+        return None
+    return (2.0 * rng.normal(size=case.num_kv_heads * case.group_size)).astype(np.float32)
+
+
 WINDOW_KINDS = ("none", "short", "long", "chunk")
 
 
@@ -87,6 +99,7 @@ def sample_attention_case(rng: np.random.Generator, window_kind: str, **override
 
     window_kind: "none" (full attention), "short"/"long" (a sliding window
     shorter/longer than the table's capacity) or "chunk" (chunked local).
+    `overrides` replace sampled fields or set others, e.g. `sinks=True`.
     """
     block_size = int(rng.choice([4, 8, 16, 32]))
     max_blocks = int(rng.integers(2, 6))

@@ -78,8 +78,10 @@ def test_paged_scatter_lowers_in_place(platform, layout, dtype, row_width):
         dict(dtype=jnp.bfloat16),
         dict(dtype=jnp.float32, sliding_window=1000, layout="LBNHC"),
         dict(dtype=jnp.bfloat16, attention_chunk_size=64, logits_soft_cap=30.0, block_size=8),
+        dict(dtype=jnp.bfloat16, sliding_window=128, sinks=S((8,), jnp.float32)),
+        dict(dtype=jnp.float32, sinks=S((8,), jnp.float32), layout="LBNHC"),
     ],
-    ids=["full-bf16", "window-f32-LBNHC", "chunk-capped-bf16-block8"],
+    ids=["full-bf16", "window-f32-LBNHC", "chunk-capped-bf16-block8", "window-sinks-bf16", "sinks-f32-LBNHC"],
 )
 def test_paged_attention_lowers(platform, options):
     options = dict(options)
@@ -101,7 +103,8 @@ def test_paged_attention_lowers(platform, options):
     assert _KERNEL_CALL[platform].search(text)
 
 
-def test_block_count_output_lowers_for_cuda():
+@pytest.mark.parametrize("sinks", [None, S((2,), jnp.float32)], ids=["no-sinks", "sinks"])
+def test_block_count_output_lowers_for_cuda(sinks):
     text = _lower(
         paged_attention,
         "cuda",
@@ -112,6 +115,7 @@ def test_block_count_output_lowers_for_cuda():
         S((4, 32), jnp.int32),
         0,
         sliding_window=100,
+        sinks=sinks,
         return_blocks_read=True,
     )
     assert _KERNEL_CALL["cuda"].search(text)
