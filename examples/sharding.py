@@ -66,7 +66,8 @@ def out_shardings(mesh: jax.sharding.Mesh | None, *outputs: str) -> dict:
 
 def kernels(mesh: jax.sharding.Mesh | None):
     """(scatter, attention) with the signatures of `paged_scatter` / `paged_attention`,
-    run per shard of KV heads when `mesh` is given."""
+    run per shard of KV heads when `mesh` is given. The attention's `sinks` [QH] (one per query
+    head) are split over query heads as q is."""
     if mesh is None:
         return paged_scatter, paged_attention
 
@@ -79,13 +80,15 @@ def kernels(mesh: jax.sharding.Mesh | None):
             out_specs=CACHE_HEADS,
         )(cache, rows, slot_mapping)
 
-    def attention(q, cache, query_start_loc, seq_lens, block_tables, layer_idx, **static):
-        return jax.shard_map(
-            lambda *a: paged_attention(*a, layer_idx, **static),
-            mesh=mesh,
-            check_vma=False,
-            in_specs=(HEADS, CACHE_HEADS, P(), P(), P()),
-            out_specs=HEADS,
-        )(q, cache, query_start_loc, seq_lens, block_tables)
+    def attention(q, cache, query_start_loc, seq_lens, block_tables, layer_idx, *, sinks=None, **static):
+        args = (q, cache, query_start_loc, seq_lens, block_tables)
+        specs = (HEADS, CACHE_HEADS, P(), P(), P())
+        if sinks is not None:  # in_specs take no None: the sinks [QH] join only when given, split as q's heads
+            args, specs = (*args, sinks), (*specs, P(AXIS))
+
+        def local(q, cache, query_start_loc, seq_lens, block_tables, sinks=None):
+            return paged_attention(q, cache, query_start_loc, seq_lens, block_tables, layer_idx, sinks=sinks, **static)
+
+        return jax.shard_map(local, mesh=mesh, check_vma=False, in_specs=specs, out_specs=HEADS)(*args)
 
     return scatter, attention

@@ -98,13 +98,16 @@ def attend(
     layer: str,
     sm_scale: float | None = None,
     logits_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     kernels: tuple[Callable, Callable] | None = None,
 ):
     """Writes layer `layer`'s K/V of this step into the cache and attends over it.
 
     q: [T, QH, D]; k: [T, H, D]; v: [T, H, Dv]; cache: the plan's buffer (`allocate_cache`). The
     layer's group gives the slot mapping and block table, its spec the window (sliding) or chunk
-    (chunked local). `sm_scale` (default D ** −0.5) and `logits_soft_cap` are the model's.
+    (chunked local). `sm_scale` (default D ** −0.5) and `logits_soft_cap` are the model's, and so is
+    `sinks`, float32[QH]: gpt-oss's attention sinks, one logit per query head that joins every softmax
+    denominator (see `paged_attention`); None: no sinks.
     `kernels`: (scatter, attention) with the signatures of `paged_scatter` and `paged_attention`
     (both get `layout=`), for example their `shard_map` over KV heads; default those kernels. Returns (out [T, QH, Dv],
     cache); the cache is donated to the scatter (do not use the one passed in).
@@ -136,6 +139,7 @@ def attend(
         attention_chunk_size=getattr(spec, "attention_chunk_size", None),
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
         layout=meta.cfg.layout,
     )
     return out, cache

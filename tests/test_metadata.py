@@ -37,15 +37,20 @@ def visible(kind, q_pos, k_pos):
     return ok
 
 
-def dense_attention(kind, q, k, v):
-    """q [S, QH, D], k/v [S, H, D] of one request, every position computed: [S, QH, D]."""
+def dense_attention(kind, q, k, v, sinks=None):
+    """q [S, QH, D], k/v [S, H, D] of one request, every position computed: [S, QH, D].
+
+    sinks [QH]: gpt-oss's sink logits, one more (never masked) column of each head's softmax, then dropped.
+    """
     pos = np.arange(q.shape[0])
     k, v = np.repeat(k, QUERY_HEADS // HEADS, axis=1), np.repeat(v, QUERY_HEADS // HEADS, axis=1)
     logits = np.einsum("sqd,tqd->qst", q, k) * HEAD**-0.5
     logits = np.where(visible(kind, pos[:, None], pos[None, :]), logits, -np.inf)
+    if sinks is not None:
+        logits = np.concatenate([logits, np.broadcast_to(sinks[:, None, None], logits.shape[:2] + (1,))], -1)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("qst,tqd->sqd", probs, v)
+    return np.einsum("qst,tqd->sqd", probs[..., : q.shape[0]], v)
 
 
 def test_the_metadata_packs_the_rows_tokens():
@@ -71,10 +76,13 @@ def test_the_metadata_packs_the_rows_tokens():
         mgr.step_metadata(["a", "b"], [13, 6], num_tokens=16)
 
 
-@pytest.mark.parametrize("kind", ["full", "sw", "ch"])
-def test_attend_uses_the_layers_group_and_window(kind):
+@pytest.mark.parametrize(
+    "kind,with_sinks", [("full", False), ("sw", False), ("ch", False), ("full", True), ("sw", True)]
+)
+def test_attend_uses_the_layers_group_and_window(kind, with_sinks):
     # A prefill of 13 and 6 tokens, then one decode token each: the decode reads the prefill's K/V
     # from the cache. Unused blocks and the null block hold NaN: a stray read poisons the output.
+    # With sinks (gpt-oss): one logit per query head in every row's softmax, outside any window.
     cfg = make_plan()
     mgr = KVCacheManager(cfg, max_num_seqs=4, enable_prefix_caching=False)
     spec = jaxkv.buffer_spec(cfg)
@@ -85,7 +93,8 @@ def test_attend_uses_the_layers_group_and_window(kind):
         {r: rng.standard_normal((n, h, HEAD)).astype(np.float32) for r, n in lens.items()}
         for h in (QUERY_HEADS, HEADS, HEADS)
     )
-    step = jax.jit(lambda q, k, v, cache, meta: jaxkv.attend(q, k, v, cache, meta, layer=kind))
+    sinks = (2.0 * rng.standard_normal(QUERY_HEADS)).astype(np.float32) if with_sinks else None
+    step = jax.jit(lambda q, k, v, cache, meta: jaxkv.attend(q, k, v, cache, meta, layer=kind, sinks=sinks))
     for r, n in lens.items():
         mgr.add_request(r, list(range(n - 1)))
     for first, num_new in ((0, {"a": 13, "b": 6}), (None, {"a": 1, "b": 1})):
@@ -100,7 +109,7 @@ def test_attend_uses_the_layers_group_and_window(kind):
         out = np.asarray(out)
         t = 0
         for r, n in num_new.items():
-            want = dense_attention(kind, q[r], k[r], v[r])[begin[r] : begin[r] + n]
+            want = dense_attention(kind, q[r], k[r], v[r], sinks)[begin[r] : begin[r] + n]
             np.testing.assert_allclose(out[t : t + n], want, rtol=1e-5, atol=1e-5)
             t += n
         np.testing.assert_array_equal(out[t:], 0)
