@@ -61,6 +61,16 @@ ATTENTION_CASES = {
         dtype="bfloat16",
     ),
     "layer-outer-f32": AttentionCase(block_size=8, q_lens=(6, 1), seq_lens=(20, 12), sliding_window=9, layout="LBHNC"),
+    # gpt-oss: a sink logit per query head, GQA, a short window.
+    "sinks-window-gqa4-f32": AttentionCase(
+        block_size=16,
+        group_size=4,
+        q_lens=(17, 1, 3),
+        seq_lens=(40, 33, 3),
+        max_blocks=3,
+        sliding_window=20,
+        sinks=True,
+    ),
 }
 
 
@@ -73,12 +83,14 @@ def _rel_err(out, ref) -> float:
 
 
 def _attention_error(case: AttentionCase, seed: int, **kernel_options) -> float:
-    q, cache, qsl, seq_lens, tables = kernel_cases.build_attention_inputs(case, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    q, cache, qsl, seq_lens, tables = kernel_cases.build_attention_inputs(case, rng)
     args = (jnp.asarray(q), jnp.asarray(cache), qsl, seq_lens, tables, case.layer_idx)
     options = dict(
         sliding_window=case.sliding_window,
         attention_chunk_size=case.attention_chunk_size,
         logits_soft_cap=case.logits_soft_cap,
+        sinks=kernel_cases.build_sinks(case, rng),
         layout=case.layout,
     )
     return _rel_err(
@@ -138,6 +150,9 @@ def run() -> dict:
         max_rel_err[f"paged_attention/{name}"] = _attention_error(case, seed)
     max_rel_err["paged_attention/window-f32-mosaic-interpret"] = _attention_error(
         ATTENTION_CASES["window-f32"], 0, backend="mosaic", interpret=True
+    )
+    max_rel_err["paged_attention/sinks-window-gqa4-f32-mosaic-interpret"] = _attention_error(
+        ATTENTION_CASES["sinks-window-gqa4-f32"], 0, backend="mosaic", interpret=True
     )
     for layout, dtype, row_width in (
         ("BLHNC", "float32", 64),
