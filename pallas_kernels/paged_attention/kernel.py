@@ -190,8 +190,9 @@ def paged_attention(
     `o = sum_k e^(s_k - m) v_k / (e^(sinks[h] - m) + sum_k e^(s_k - m))`. A
     query that sees no key gives 0. The blocks read are the same as without.
 
-    Jitted; everything after `layer_idx` is static. `layer_idx` is traced (one
-    compilation serves every layer) and not range-checked.
+    Jitted; everything after `layer_idx` but `sinks` is static. `layer_idx` is
+    traced (one compilation serves every layer) and not range-checked; `sinks`
+    is traced (None and an array compile apart).
 
     Args:
       sm_scale: logit scale, default `D ** -0.5`.
@@ -211,8 +212,8 @@ def paged_attention(
         blocks the kernel's loops loaded (Triton backend only).
 
     Multi-device: the kernel only sees local shapes, so under `shard_map` with q
-    split over QH, the cache over H (same number of shards) and the metadata
-    replicated, each shard computes its own heads.
+    split over QH, the cache over H (same number of shards), `sinks` over QH as q
+    and the metadata replicated, each shard computes its own heads.
     """
     backend, interpret = _common.resolve_backend(backend, interpret)
     dims = _common.cache_dims(cache.shape, layout)
