@@ -191,7 +191,8 @@ def main(argv=None) -> int:
         f"({s.tokens_computed / s.seconds:.1f} tokens/s computed incl. prefill)"
     )
     print(
-        f"cache {tuple(loop.cache.shape)} sharded as {loop.cache.sharding.spec if args.tp > 1 else 'one device'}; "
+        f"cache {tuple(loop.cache.shape)} {loop.cache.dtype} sharded as "
+        f"{loop.cache.sharding.spec if args.tp > 1 else 'one device'}; "
         f"generated tokens digest {digest}"
     )
     print(

@@ -75,7 +75,10 @@ class TextConfig:
         if model_type == "gemma3":
             if "text_config" not in config:
                 raise ValueError("config.json (model_type='gemma3') has no 'text_config'")
-            return _gemma3(_Fields(config["text_config"], "gemma3.text_config"))
+            # Gemma3ForConditionalGeneration applies no final logit softcap, whatever text_config says.
+            return dataclasses.replace(
+                _gemma3(_Fields(config["text_config"], "gemma3.text_config")), final_logit_softcapping=None
+            )
         if model_type == "gemma3_text":
             return _gemma3(_Fields(config, model_type))
         return _gpt_oss(_Fields(config, model_type))
