@@ -35,7 +35,7 @@ from model import Decoder
 from sharding import cache_sharding, out_shardings
 
 import jaxkv
-from jaxkv import state as st
+from jaxkv.core import state as st
 from jaxkv.manager import KVCacheManager
 
 

@@ -1,10 +1,9 @@
 """jaxkv: a paged KV cache for hybrid models, managed by jitted pure functions."""
 
-from jaxkv.config import LAYOUTS, KVCacheConfig, KVCacheGroup, KVCacheTensor
-from jaxkv.hashing import UnitHasher, block_hash, digests_to_keys, mm_extra_keys, prompt_unit_hashes
-from jaxkv.hf_config import SUPPORTED_MODEL_TYPES, specs_from_hf_config
-from jaxkv.invariants import InvariantError, check_invariants
-from jaxkv.layout import (
+from jaxkv.core.invariants import InvariantError, check_invariants
+from jaxkv.core.state import AllocateResult, ManagerState, init_state
+from jaxkv.manager import KVCacheManager
+from jaxkv.memory.layout import (
     DSA_INDEXER_FIELDS,
     DSA_LATENT_FIELDS,
     RowField,
@@ -20,12 +19,12 @@ from jaxkv.layout import (
     with_layout,
     write_rows,
 )
-from jaxkv.layout_html import render_layout_html
-from jaxkv.manager import KVCacheManager
+from jaxkv.memory.layout_html import render_layout_html
 from jaxkv.metadata import StepMetadata, attend, step_metadata
-from jaxkv.planning import GROUPINGS, plan, resolve_kv_sharing
-from jaxkv.prefix_rules import HitRule, group_hit_lens, prefix_hit_len
-from jaxkv.specs import (
+from jaxkv.planner.config import LAYOUTS, KVCacheConfig, KVCacheGroup, KVCacheTensor
+from jaxkv.planner.hf_config import SUPPORTED_MODEL_TYPES, specs_from_hf_config
+from jaxkv.planner.planning import GROUPINGS, plan, resolve_kv_sharing
+from jaxkv.planner.specs import (
     NULL_BLOCK,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -34,7 +33,8 @@ from jaxkv.specs import (
     SlidingWindowSpec,
     cdiv,
 )
-from jaxkv.state import AllocateResult, ManagerState, init_state
+from jaxkv.prefix.hashing import UnitHasher, block_hash, digests_to_keys, mm_extra_keys, prompt_unit_hashes
+from jaxkv.prefix.rules import HitRule, group_hit_lens, prefix_hit_len
 
 __all__ = [
     "allocate_cache",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv.hashing import (
+from jaxkv.prefix.hashing import (
     UnitHasher,
     block_hash,
     digests_to_keys,

@@ -17,7 +17,7 @@ from jaxkv import (
     SlidingWindowSpec,
     plan,
 )
-from jaxkv.layout import (
+from jaxkv.memory.layout import (
     DSA_INDEXER_FIELDS,
     DSA_LATENT_FIELDS,
     RowField,

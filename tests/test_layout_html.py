@@ -11,8 +11,8 @@ import pytest
 
 from jaxkv import plan
 from jaxkv.cli import main
-from jaxkv.layout import locate_token
-from jaxkv.layout_html import layout_data, render_layout_html, specs_from_json, token_values
+from jaxkv.memory.layout import locate_token
+from jaxkv.memory.layout_html import layout_data, render_layout_html, specs_from_json, token_values
 
 ROOT = pathlib.Path(__file__).parent.parent
 DSA_CONFIG = str(ROOT / "tests/configs/deepseek_v32.json")

@@ -22,7 +22,7 @@ from jaxkv import (
     resolve_kv_sharing,
     specs_from_hf_config,
 )
-from jaxkv.planning import unify_page_sizes
+from jaxkv.planner.planning import unify_page_sizes
 
 GiB, MiB = 1 << 30, 1 << 20
 ATTN = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")

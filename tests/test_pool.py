@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from model_reference import ModelState, assert_pool_matches
 
 from jaxkv import FullAttentionSpec, KVCacheConfig, KVCacheGroup
-from jaxkv.invariants import check_pool
-from jaxkv.pool import HASH_WORDS, count_prefix, cumsum, init_pool, mark_cached, pop, release, touch
+from jaxkv.core.invariants import check_pool
+from jaxkv.core.pool import HASH_WORDS, count_prefix, cumsum, init_pool, mark_cached, pop, release, touch
 
 NUM_BLOCKS = 10  # 9 usable blocks, ring capacity 20: stale entries force compaction often
 WIDTH = 8  # F: calls are padded to this many entries

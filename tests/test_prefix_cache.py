@@ -1,4 +1,4 @@
-"""The prefix-cache index (jaxkv.prefix_cache) against a plain-Python model, jitted and eager.
+"""The prefix-cache index (jaxkv.prefix.index) against a plain-Python model, jitted and eager.
 
 Dimensions: E entries per call, P probes per call, G groups, W ways, B buckets.
 """
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_reference import IndexModel
 
-from jaxkv.pool import claim, init_pool, unclaim
-from jaxkv.prefix_cache import check_index, index_entries, init_index, insert, num_buckets_for, probe, remove
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.core.pool import claim, init_pool, unclaim
+from jaxkv.planner.specs import NULL_BLOCK
+from jaxkv.prefix.index import check_index, index_entries, init_index, insert, num_buckets_for, probe, remove
 
 NUM_BLOCKS = 12
 NUM_GROUPS = 2

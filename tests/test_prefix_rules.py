@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxkv
-from jaxkv.prefix_rules import (
+from jaxkv.prefix.rules import (
     HitRule,
     group_hit_lens,
     hit_blocks_reference,

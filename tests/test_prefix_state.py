@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from model_reference import ModelState, assert_state_matches
 from test_state import chunked, full, make_cfg, mamba, sliding
 
-from jaxkv import state as ms
-from jaxkv.hashing import prompt_unit_hashes
-from jaxkv.invariants import check_invariants
-from jaxkv.pool import free_order, mark_cached
-from jaxkv.prefix_cache import index_entries, insert, probe
-from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.core import state as ms
+from jaxkv.core.invariants import check_invariants
+from jaxkv.core.pool import free_order, mark_cached
+from jaxkv.planner.specs import NULL_BLOCK
+from jaxkv.prefix.hashing import prompt_unit_hashes
+from jaxkv.prefix.index import index_entries, insert, probe
+from jaxkv.prefix.state import UPLOAD_WORDS, PrefixCacheConfig
 
 NUM_SLOTS = 4
 UPLOADS = 64  # X
@@ -335,7 +335,7 @@ class FakeKV:
         self.kv, self.state, self.prefix_of_key = {}, {}, {}
 
     def copy(self, copies):
-        """Applies block copies (source, destination, valid tokens) as `jaxkv.layout.copy_blocks` does:
+        """Applies block copies (source, destination, valid tokens) as `jaxkv.memory.layout.copy_blocks` does:
         whole blocks, all gathered before any is written."""
         copies = [(int(src), int(dst)) for src, dst, _ in copies if dst]
         kv = {(dst, o): self.kv.get((src, o)) for src, dst in copies for o in range(64)}
@@ -417,7 +417,7 @@ class FakeKV:
                 assert self.state[block] == prefix, (block, g)
                 continue
             bs = group.block_size
-            start = (len(prefix) - 1) // bs * bs  # a partial entry (prefix_tails) holds [start, len(prefix))
+            start = (len(prefix) - 1) // bs * bs  # a partial entry (jaxkv.prefix.tails) holds [start, len(prefix))
             for offset in range(len(prefix) - start):
                 assert self.kv[(block, offset)] == prefix[: start + offset + 1], (block, g, offset)
 
@@ -479,7 +479,7 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
                 hits.append(hit)
                 shared.append(shared_len)
                 limit = min(len(tokens) - n - hit, 8)
-                # The prompt tail's final unit boundary: a scheduler may end a chunk there (prefix_tails).
+                # The prompt tail's final unit boundary: a scheduler may end a chunk there (jaxkv.prefix.tails).
                 to_tail = ((prompt_len[slot] - 1) // prefix.unit) * prefix.unit - n - hit
                 if 0 < to_tail <= limit and (reuse or data.draw(st.booleans(), label="end_at_tail")):
                     new_tokens.append(to_tail)
@@ -578,7 +578,7 @@ def test_random_sequences_eager(case, data):
         run_random_sequence(data, *CASES[case], reuse=case == "hybrid_state_unit")
 
 
-# ---- hits inside a block (jaxkv.prefix_tails) --------------------------------------------------
+# ---- hits inside a block (jaxkv.prefix.tails) --------------------------------------------------
 
 
 def _allocate_tails(state, cfg, prefix, rows, uploads=None, released=()):

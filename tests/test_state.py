@@ -20,10 +20,10 @@ from jaxkv import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from jaxkv import state as ms
-from jaxkv.invariants import check_invariants
-from jaxkv.pool import HASH_WORDS, mark_cached
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.core import state as ms
+from jaxkv.core.invariants import check_invariants
+from jaxkv.core.pool import HASH_WORDS, mark_cached
+from jaxkv.planner.specs import NULL_BLOCK
 
 NUM_SLOTS = 4
 

@@ -15,9 +15,9 @@ from test_state import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager
 from jaxkv import manager as manager_module
-from jaxkv.invariants import check_invariants
+from jaxkv.core.invariants import check_invariants
+from jaxkv.core.step import StepWork
 from jaxkv.manager import _walk_size
-from jaxkv.step import StepWork
 
 CONFIGS = {
     # Attention groups only: rows without block work stay on the host.

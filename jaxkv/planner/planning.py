@@ -35,8 +35,8 @@ import numbers
 from collections.abc import Mapping
 from fractions import Fraction
 
-from jaxkv.config import LAYOUTS, KVCacheConfig, KVCacheGroup, KVCacheTensor
-from jaxkv.specs import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec, cdiv
+from jaxkv.planner.config import LAYOUTS, KVCacheConfig, KVCacheGroup, KVCacheTensor
+from jaxkv.planner.specs import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec, cdiv
 
 GROUPINGS = ("auto", "vllm")
 

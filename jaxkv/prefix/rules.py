@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.pool import count_prefix
-from jaxkv.specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
+from jaxkv.core.pool import count_prefix
+from jaxkv.planner.specs import ChunkedLocalAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
 
 HitKind = Literal["full", "sliding_window", "chunked_local", "mamba"]
 _KINDS = ("full", "sliding_window", "chunked_local", "mamba")

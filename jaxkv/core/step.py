@@ -10,7 +10,7 @@ requests, X uploaded unit keys, C released copies.
 absent from the compiled program. `StepWork`, static, is the step's work signature: for each walk
 over table entries, how many entries the host expects (its mirror of the counts tells it), so
 that a walk the step does not need is absent and a small one is straight-line code instead of a
-loop (`jaxkv.ranges.in_chunks`). Any signature gives the same state; `StepWork()` (every walk
+loop (`jaxkv.core.ranges.in_chunks`). Any signature gives the same state; `StepWork()` (every walk
 sized at run time) is the full program. Entries a signature did not plan for (a walk left out, or
 more than its bound) are not walked; they are reported in `StepResult.num_unplanned`, which must be 0
 (a caller whose mirror of the counts is wrong has a bug; the manager raises).
@@ -19,9 +19,9 @@ With a prefix cache (`state.prefix`) the rows are vLLM's row-by-row outcome with
 
 0. `released_copies` drop their pins; the freed requests release their blocks (`state._free`
    semantics); uploaded keys and prompt lengths are stored; state blocks the rows' last step
-   ended on become findable, and so do the rows' prompt-tail blocks (`prefix_tails.register_tails`).
+   ended on become findable, and so do the rows' prompt-tail blocks (`jaxkv.prefix.tails.register_tails`).
 1. Claims: each row with h = num_hit_tokens > 0 (a request's first call) takes, per group, the
-   blocks its rule needs at h (`prefix_state.claim_hits`), tentatively, in row order, before any
+   blocks its rule needs at h (`jaxkv.prefix.state.claim_hits`), tentatively, in row order, before any
    row takes a new block. The claim is valid only if every block is still cached under the
    request's keys, h is a multiple of every group's block size (or of the unit, in a group where
    hits may end inside a block) and its keys are uploaded; otherwise the row fails. A hit ending
@@ -51,13 +51,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import prefix_state as ps
-from jaxkv import prefix_tails as pt
-from jaxkv.config import KVCacheConfig
-from jaxkv.pool import cumsum
-from jaxkv.ranges import run_if, table_ranges
-from jaxkv.specs import NULL_BLOCK
-from jaxkv.state import (
+from jaxkv.core.pool import cumsum
+from jaxkv.core.ranges import run_if, table_ranges
+from jaxkv.core.state import (
     CHUNKED_LOCAL,
     FULL,
     MAMBA,
@@ -76,6 +72,10 @@ from jaxkv.state import (
     group_rules,
     keep_from_idx,
 )
+from jaxkv.planner.config import KVCacheConfig
+from jaxkv.planner.specs import NULL_BLOCK
+from jaxkv.prefix import state as ps
+from jaxkv.prefix import tails as pt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ class StepBatch:
     num_prompt_tokens: int32[R] (prefix caching) prompt lengths (0: unknown); with a unit finer than
                        a block, the prompt tail's final unit boundary gets a partial entry
     free_slots:        int32[F] requests to free first (as `free`); S marks padding
-    hash_uploads:      uint32[X, 6] (prefix caching) unit keys to store (`prefix_state.store_hashes`)
+    hash_uploads:      uint32[X, 6] (prefix caching) unit keys to store (`jaxkv.prefix.state.store_hashes`)
     released_copies:   int32[C] (prefix caching) destinations of applied copies: their pins drop
     slot_counts:       int32[S] every slot's computed tokens as the host counts them; they replace
                        the state's first (a host may leave out rows whose only work is to advance
@@ -599,7 +599,7 @@ allocate = jax.jit(allocate_step, static_argnames=("cfg", "prefix", "work", "chu
 
 
 def walk_units(block_start, block_count, units_per_block: np.ndarray) -> int:
-    """Host side of `prefix_state._end_units`: block-end grid steps of ranges [start, start + count)
+    """Host side of `jaxkv.prefix.state._end_units`: block-end grid steps of ranges [start, start + count)
     int[R, G] (numpy), summed over rows."""
     step = math.gcd(*units_per_block.tolist())
     has = block_count > 0

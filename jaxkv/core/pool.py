@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.planner.specs import NULL_BLOCK
 
 HASH_WORDS = 4  # uint32 words per block hash: 128 bits
 NOT_CACHED = -1  # block_group of a block that is not cached

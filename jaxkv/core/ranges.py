@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.pool import count_prefix, cumsum
-from jaxkv.specs import cdiv
+from jaxkv.core.pool import count_prefix, cumsum
+from jaxkv.planner.specs import cdiv
 
 
 def range_layout(count, max_entries: int):
@@ -63,10 +63,10 @@ def in_chunks(total, chunk_sizes: tuple[int, ...] | int, body_for_size, state):
     several steps). One loop per size, all but the chosen one run zero steps: unlike
     `lax.switch`, loops carry the state in place (a conditional over the state would copy it).
 
-    `chunk_sizes` an int K (a step's work signature, `jaxkv.step.StepWork`): the caller knows
+    `chunk_sizes` an int K (a step's work signature, `jaxkv.core.step.StepWork`): the caller knows
     there are at most K entries, so they run as straight-line code, with no loop and nothing
     hoisted out of one (K = 0: the walk is absent). Entries past K are not walked: the caller
-    counts them (`jaxkv.step` reports them as unplanned, and the manager raises).
+    counts them (`jaxkv.core.step` reports them as unplanned, and the manager raises).
     """
     if isinstance(chunk_sizes, int):
         return state if chunk_sizes == 0 else body_for_size(chunk_sizes)(0, state)

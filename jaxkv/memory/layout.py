@@ -61,9 +61,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.config import LAYOUTS, KVCacheConfig, KVCacheTensor
-from jaxkv.planning import buffer_views
-from jaxkv.specs import NULL_BLOCK, AttentionSpec, MambaSpec, dtype_bytes
+from jaxkv.planner.config import LAYOUTS, KVCacheConfig, KVCacheTensor
+from jaxkv.planner.planning import buffer_views
+from jaxkv.planner.specs import NULL_BLOCK, AttentionSpec, MambaSpec, dtype_bytes
 
 _frozen = dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 

@@ -35,16 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv import prefix_state as ps
-from jaxkv import prefix_tails as pt
-from jaxkv.config import KVCacheConfig
-from jaxkv.pool import PoolState, cumsum, init_pool, pop, release
-from jaxkv.prefix_cache import remove
-from jaxkv.ranges import in_chunks as _in_chunks
-from jaxkv.ranges import range_chunk as _range_chunk
-from jaxkv.ranges import range_layout as _range_layout
-from jaxkv.ranges import table_ranges as _table_ranges
-from jaxkv.specs import NULL_BLOCK, cdiv
+from jaxkv.core.pool import PoolState, cumsum, init_pool, pop, release
+from jaxkv.core.ranges import in_chunks as _in_chunks
+from jaxkv.core.ranges import range_chunk as _range_chunk
+from jaxkv.core.ranges import range_layout as _range_layout
+from jaxkv.core.ranges import table_ranges as _table_ranges
+from jaxkv.planner.config import KVCacheConfig
+from jaxkv.planner.specs import NULL_BLOCK, cdiv
+from jaxkv.prefix import state as ps
+from jaxkv.prefix import tails as pt
+from jaxkv.prefix.index import remove
 
 FULL, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA = 0, 1, 2, 3
 _KIND_CODES = {"full": FULL, "sliding_window": SLIDING_WINDOW, "chunked_local": CHUNKED_LOCAL, "mamba": MAMBA}
@@ -79,7 +79,7 @@ class AllocateResult:
     num_hit_tokens: int32[] prefix-cache hit tokens the ok rows claimed;
     copies: int32[R, G, 3] block copies the call made (source, destination, valid tokens of the
     block; zeros: none): apply them before the forward pass, then release them in a later call
-    (`jaxkv.prefix_tails`)."""
+    (`jaxkv.prefix.tails`)."""
 
     ok: jax.Array
     num_free_blocks: jax.Array
@@ -336,10 +336,10 @@ def _allocate(
     prefix: ps.PrefixCacheConfig | None = None,
 ) -> tuple[ManagerState, AllocateResult]:
     """Makes room for `num_new_tokens` int32[R] more tokens of each request `req_slots` int32[R],
-    in priority order: `jaxkv.step.allocate_step` with the parts of its `StepBatch` given as
+    in priority order: `jaxkv.core.step.allocate_step` with the parts of its `StepBatch` given as
     arguments (same names and meanings) and every walk sized at run time. Jitted as `allocate`
     (config, chunk sizes and prefix config static, state donated)."""
-    from jaxkv.step import StepBatch, allocate_step  # the step is built from this module's pieces
+    from jaxkv.core.step import StepBatch, allocate_step  # the step is built from this module's pieces
 
     batch = StepBatch(
         req_slots=req_slots,
@@ -367,7 +367,7 @@ def _partial_groups(rules: GroupRules, prefix: ps.PrefixCacheConfig):
 
 def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes):
     """`_free` with a prefix cache: the state blocks the requests' last step ended on, and their
-    prompt-tail blocks (`prefix_tails.register_tails`), become findable first; the slots' keys and
+    prompt-tail blocks (`jaxkv.prefix.tails.register_tails`), become findable first; the slots' keys and
     cache progress are forgotten. Pinned copies stay pinned."""
     row, slots, scatter_slots = _rows(state, req_slots)
     num_computed = jnp.where(row, state.num_computed[slots], 0)
@@ -466,7 +466,7 @@ def _decode_steps(
     and each step's slot mappings int32[num_steps, G, R] (the ok rows' tokens packed in row
     order, −1 after them). Equals `num_steps` calls of `allocate` + `slot_mappings`. Jitted
     as `decode_steps`.
-    The loop returns no block copies: with hits inside blocks (`jaxkv.prefix_tails`), a row
+    The loop returns no block copies: with hits inside blocks (`jaxkv.prefix.tails`), a row
     whose last step ended at its prompt tail inside a state block must take its next call
     through `allocate` (that call moves it to a copy of the block).
     """
@@ -497,7 +497,7 @@ def _lookup(
 
     keys: uint32[R, X, 4] the requests' unit keys; num_keys: int32[R] (0: padding row);
     num_tokens: int32[R]. Returns (hit_len int32[R], shared_len int32[R], PrefixStats). See
-    `prefix_state.lookup`. Jitted as `lookup` (config, prefix config, chunk sizes static).
+    `jaxkv.prefix.state.lookup`. Jitted as `lookup` (config, prefix config, chunk sizes static).
     """
     if state.prefix is None:
         raise ValueError("lookup needs a state with a prefix cache (init_state(..., prefix=...))")

@@ -26,11 +26,17 @@ import json
 import re
 from collections.abc import Sequence
 
-from jaxkv.config import LAYOUTS, KVCacheConfig
-from jaxkv.hf_config import specs_from_hf_config
-from jaxkv.layout import with_layout
-from jaxkv.planning import GROUPINGS, plan
-from jaxkv.specs import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from jaxkv.memory.layout import with_layout
+from jaxkv.planner.config import LAYOUTS, KVCacheConfig
+from jaxkv.planner.hf_config import specs_from_hf_config
+from jaxkv.planner.planning import GROUPINGS, plan
+from jaxkv.planner.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 SPEC_CLASSES = {
     cls.__name__: cls

@@ -1,7 +1,7 @@
 """The planner's output: KV cache groups, buffer views and the pool size.
 
 Frozen, hashable dataclasses, passed to jit as static configuration. `plan()` in
-`jaxkv.planning` builds them; the figures a person reads (capacity, concurrency,
+`jaxkv.planner.planning` builds them; the figures a person reads (capacity, concurrency,
 bytes per request, padding waste, `summary()`) are derived here.
 
 Memory picture (block-outer layout, 2 groups of 2 layers, page p):
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxkv.specs import (
+from jaxkv.planner.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     KVCacheSpec,

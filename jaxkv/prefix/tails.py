@@ -4,7 +4,7 @@ claims, and copies pinned until the caller has applied them.
 Dimensions: R rows of a call, G groups, S slots, M max blocks per request, N blocks, C copies released.
 
 When the hash unit u is finer than the block size b of a full-attention or state (Mamba) group
-(a "partial group", `prefix_state.partial_groups`: a `prefix_match_unit` below the block size, as
+(a "partial group", `jaxkv.prefix.state.partial_groups`: a `prefix_match_unit` below the block size, as
 page-size unification makes hybrid blocks hundreds of tokens long), a hit may end on any unit
 boundary, inside a block:
 
@@ -38,7 +38,7 @@ step writes a later block holds X itself at j, read-only, with no copy.
 Copies and pins. Each copy is returned by the call as (source, destination, tokens of the block
 that are valid) and recorded as `copy_src[D] = X`; both blocks keep one reference for it (a pin:
 DESIGN.md invariant 1 counts it) until a later call releases the copy (`released_copies`). The
-protocol: apply the copies a call returns (`jaxkv.layout.copy_blocks`, whole blocks) before the
+protocol: apply the copies a call returns (`jaxkv.copy_blocks`, whole blocks) before the
 forward pass that computes the call's tokens, then release them in any later call. Until then
 no free, preemption or eviction can hand either block to another request, so the copy can run
 late (after several calls of one scheduling step) and still read and write what it should.
@@ -52,10 +52,10 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.pool import NOT_CACHED, claim, count_prefix, pop, release, unclaim
-from jaxkv.prefix_cache import probe, remove
-from jaxkv.prefix_state import index_blocks
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.core.pool import NOT_CACHED, claim, count_prefix, pop, release, unclaim
+from jaxkv.planner.specs import NULL_BLOCK
+from jaxkv.prefix.index import probe, remove
+from jaxkv.prefix.state import index_blocks
 
 
 def tail_len(prefix_state, slots, unit: int):

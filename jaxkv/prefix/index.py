@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.pool import HASH_WORDS, count_prefix
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.core.pool import HASH_WORDS, count_prefix
+from jaxkv.planner.specs import NULL_BLOCK
 
 COUNT_WORD = HASH_WORDS  # blocks the entry holds; 0: the way is empty
 FIELDS = HASH_WORDS + 1  # first block field

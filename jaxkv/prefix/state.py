@@ -1,5 +1,5 @@
 """Prefix caching inside the manager state: unit hashes per request, hits claimed and full blocks cached
-inside the jitted transitions of `jaxkv.state`.
+inside the jitted transitions of `jaxkv.core.state`.
 
 Dimensions: R rows of a call, G groups, S slots, U hash units per request (`max_model_len // unit`),
 M max blocks per request, K entries per loop step, P probes, X uploaded keys.
@@ -7,7 +7,7 @@ M max blocks per request, K entries per loop step, P probes, X uploaded keys.
 Units and keys. The host cuts a request's tokens into units of `unit` tokens
 (`PrefixCacheConfig.unit`: the gcd of the groups' block sizes, or a finer
 `prefix_match_unit`), hashes every full unit chained over the prefix (and the
-cache salt, in the first unit: `jaxkv.hashing`) and uploads the 128-bit keys
+cache salt, in the first unit: `jaxkv.prefix.hashing`) and uploads the 128-bit keys
 into `req_hashes[slot]`. Block j of a group with block size b (a multiple of
 the unit) holds tokens [j·b, (j + 1)·b); its key is the unit key at its end:
 
@@ -33,7 +33,7 @@ one of them is found.
 
 Hits that end inside a block (a unit finer than a full-attention or state group's
 block: the prompt tail's partial entry, copy-on-write claims, pinned copies) are in
-`jaxkv.prefix_tails`.
+`jaxkv.prefix.tails`.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.config import KVCacheConfig
-from jaxkv.pool import HASH_WORDS, NOT_CACHED, claim, first_entries, mark_cached, release, unclaim
-from jaxkv.prefix_cache import DEFAULT_WAYS, IndexState, init_index, insert, probe, remove
-from jaxkv.prefix_rules import HitRule, valid_hit_blocks_of_groups
-from jaxkv.ranges import in_chunks, range_chunk, range_layout, run_if
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.core.pool import HASH_WORDS, NOT_CACHED, claim, first_entries, mark_cached, release, unclaim
+from jaxkv.core.ranges import in_chunks, range_chunk, range_layout, run_if
+from jaxkv.planner.config import KVCacheConfig
+from jaxkv.planner.specs import NULL_BLOCK
+from jaxkv.prefix.index import DEFAULT_WAYS, IndexState, init_index, insert, probe, remove
+from jaxkv.prefix.rules import HitRule, valid_hit_blocks_of_groups
 
 UPLOAD_WORDS = 2 + HASH_WORDS  # an uploaded key: slot, unit index, key words
 
@@ -106,7 +106,7 @@ class PrefixState:
     shared_len:        int32[S]         tokens of the request's prompt its full-attention groups
                                         found cached on admission: where its prefix is known to
                                         be shared (its window blocks past it are evicted first)
-    prompt_len:        int32[S]         each request's prompt tokens (0: not given; `prefix_tails`)
+    prompt_len:        int32[S]         each request's prompt tokens (0: not given; `jaxkv.prefix.tails`)
     copy_src:          int32[N]         source block of the pending copy into each block (NULL_BLOCK:
                                         none); both blocks hold a reference until it is released
     num_cache_passes:  int32[]          `cache_full_blocks` calls that had blocks to index (wraps around)
@@ -496,7 +496,7 @@ def hit_rules(cfg: KVCacheConfig) -> tuple[HitRule, ...]:
 
 def partial_groups(cfg: KVCacheConfig, prefix: PrefixCacheConfig) -> tuple[int, ...]:
     """The groups where a hit may end inside a block (static): full-attention and state groups whose
-    block is larger than the unit (see `jaxkv.prefix_tails`)."""
+    block is larger than the unit (see `jaxkv.prefix.tails`)."""
     return tuple(
         g for g, group in enumerate(cfg.groups) if group.kind in ("full", "mamba") and group.block_size > prefix.unit
     )
@@ -514,8 +514,8 @@ def lookup(
     the full-attention groups alone (≥ hit_len; hit_len without such groups): where the
     request's prefix is known to be shared. Every group's candidate blocks up to the bound
     (at most X units) are probed, in chunks; then each group's valid hit lengths
-    (`prefix_rules.valid_hit_blocks_of_groups`) are intersected on a grid of gcd(block sizes)
-    tokens, as `prefix_rules.prefix_hit_len` does. With partial groups (`partial_groups`)
+    (`jaxkv.prefix.rules.valid_hit_blocks_of_groups`) are intersected on a grid of gcd(block sizes)
+    tokens, as `jaxkv.prefix.rules.prefix_hit_len` does. With partial groups (`partial_groups`)
     every unit is probed and the grid is the unit: a length h inside a block is valid for a
     full-attention group when its full blocks before h are cached and (key(h), g) is
     indexed (a partial entry), for a state group when (key(h), g) is; other groups need h

@@ -14,12 +14,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxkv.config import KVCacheConfig
-from jaxkv.pool import NOT_CACHED, PoolState
-from jaxkv.prefix_cache import check_index
-from jaxkv.prefix_state import PrefixCacheConfig, check_prefix_config
-from jaxkv.specs import NULL_BLOCK, cdiv
-from jaxkv.state import MAMBA, ManagerState, group_rules
+from jaxkv.core.pool import NOT_CACHED, PoolState
+from jaxkv.core.state import MAMBA, ManagerState, group_rules
+from jaxkv.planner.config import KVCacheConfig
+from jaxkv.planner.specs import NULL_BLOCK, cdiv
+from jaxkv.prefix.index import check_index
+from jaxkv.prefix.state import PrefixCacheConfig, check_prefix_config
 
 
 class InvariantError(AssertionError):
@@ -113,7 +113,7 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
                 )
 
     # Invariant 1: reference counts equal the live table entries holding each block, plus one per
-    # pending copy naming it (source or destination: `jaxkv.prefix_tails`).
+    # pending copy naming it (source or destination: `jaxkv.prefix.tails`).
     counts = np.bincount(tables.reshape(-1), minlength=num_blocks)
     if state.prefix is not None:
         copy_src = np.asarray(state.prefix.copy_src)
@@ -149,7 +149,7 @@ def _check_prefix(state: ManagerState, rules, unit: int) -> None:
     Every entry points to a block cached (pool.block_group / block_hash) under that key and
     group, and every cached block has an entry; a cached block in a live table sits where
     the request's own key names it (no block in use is findable under a different hash): at
-    its block end, with all its tokens scheduled, or (a partial entry, `jaxkv.prefix_tails`)
+    its block end, with all its tokens scheduled, or (a partial entry, `jaxkv.prefix.tails`)
     at a unit boundary inside it that the request has scheduled; cache progress stays within
     the scheduled blocks.
     """
