@@ -1,5 +1,6 @@
 """jaxkv: a paged KV cache for hybrid models, managed by jitted pure functions."""
 
+from jaxkv import _moved
 from jaxkv.core.invariants import InvariantError, check_invariants
 from jaxkv.core.state import AllocateResult, ManagerState, init_state
 from jaxkv.manager import KVCacheManager
@@ -86,3 +87,12 @@ __all__ = [
     "with_layout",
     "write_rows",
 ]
+
+_moved.install()  # the modules' former flat paths (jaxkv.state, ...) keep working, with a DeprecationWarning
+
+
+def __getattr__(name: str):
+    """`jaxkv.state` and the other former module names, as attributes: deprecated stand-ins (`jaxkv._moved`)."""
+    if name in _moved.MOVED:
+        return _moved.load(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
