@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_reference import ModelState, assert_state_matches
-from test_state import full, make_cfg, mamba, sliding
+from tiny_configs import full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager, UnitHasher
 from jaxkv.core.invariants import check_invariants

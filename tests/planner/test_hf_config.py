@@ -17,7 +17,7 @@ from jaxkv import (
 )
 
 GiB = 1 << 30
-CONFIGS = pathlib.Path(__file__).parent / "configs"
+CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 
 
 def load(name):

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_reference import ModelState, assert_state_matches
-from test_state import chunked, full, make_cfg, mamba, sliding
+from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv.core import state as ms
 from jaxkv.core.invariants import check_invariants

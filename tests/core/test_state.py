@@ -11,48 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_reference import ModelState, assert_state_matches
+from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
-from jaxkv import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroup,
-    MambaSpec,
-    SlidingWindowSpec,
-)
 from jaxkv.core import state as ms
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.pool import HASH_WORDS, mark_cached
 from jaxkv.planner.specs import NULL_BLOCK
 
 NUM_SLOTS = 4
-
-
-def full(bs):
-    return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=4)
-
-
-def sliding(bs, window):
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=4, sliding_window=window)
-
-
-def chunked(bs, chunk):
-    return ChunkedLocalAttentionSpec(block_size=bs, num_kv_heads=1, head_size=4, attention_chunk_size=chunk)
-
-
-def mamba(bs):
-    return MambaSpec(block_size=bs, shapes=((4,),), dtypes=("float32",))
-
-
-def make_cfg(num_blocks, *specs, max_model_len=24, max_num_batched_tokens=8):
-    groups = tuple(KVCacheGroup(layer_names=(f"layer{i}",), spec=spec) for i, spec in enumerate(specs))
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        groups=groups,
-        tensors=(),
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
 
 
 # (config, chunk sizes): tiny pools so that allocations fail often; chunk sizes of 2 or 3

@@ -157,7 +157,7 @@ def test_kv_sharing_chains_resolve_and_cycles_or_unknown_names_are_errors():
         plan({"a": "a"}, GiB, max_model_len=16)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(str(pathlib.Path(__file__).parent / "configs/*.json"))))
+@pytest.mark.parametrize("path", sorted(glob.glob(str(pathlib.Path(__file__).parents[1] / "configs/*.json"))))
 def test_auto_is_never_worse_than_vllm_on_the_zoo(path):
     with open(path) as f:
         layers = specs_from_hf_config(json.load(f))

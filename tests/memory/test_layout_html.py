@@ -14,7 +14,7 @@ from jaxkv.cli import main
 from jaxkv.memory.layout import locate_token
 from jaxkv.memory.layout_html import layout_data, render_layout_html, specs_from_json, token_values
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 DSA_CONFIG = str(ROOT / "tests/configs/deepseek_v32.json")
 MLA_L1, IDX_L1 = "model.layers.1.self_attn.attn", "model.layers.1.self_attn.indexer.k_cache"
 DSA_ARGS = ["layout", "--hf-config", DSA_CONFIG, "--num-layers", "2", "--block-table", "3,1,5"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_state import chunked, full, make_cfg, mamba, sliding
+from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager
 from jaxkv import manager as manager_module
