@@ -1,4 +1,26 @@
-"""jaxkv: a paged KV cache for hybrid models, managed by jitted pure functions."""
+"""jaxkv: a paged KV cache for hybrid models, managed by jitted pure functions.
+
+The folders follow the flow in DESIGN.md:
+
+    planner/   plan, on the host, once: layer specs (by hand or from a Hugging Face config.json)
+               -> plan(...) -> KVCacheConfig (frozen, hashable: jit's static config)
+    memory/    allocate the physical cache: block-outer arrays and their per-layer views, where a
+               token's K/V lives, block copies; the HTML drawing of a plan's layout
+    core/      init the ManagerState and run each engine step: the block pool, the block tables per
+               group, the step's pipeline of phases (free - ... - take blocks) -> block tables and
+               slot mappings; the invariant checks
+    prefix/    the step's prefix-caching phases (store keys, lookup + claim hits, index filled
+               blocks): unit hashes on the host, the on-device index, the hit rules, hits inside blocks
+    manager.py    KVCacheManager: vLLM's vocabulary on the host over core's jitted transitions
+    metadata.py   the model step: one StepMetadata per step, and attend (paged scatter + paged
+                  attention, from the separate pallas_kernels package)
+    cli.py        python -m jaxkv plan / layout
+
+Public: the names below (`__all__`), and the modules `jaxkv.core.state`, `jaxkv.core.step`,
+`jaxkv.manager` and `jaxkv.metadata`. Every other module is internal: it may change or move without
+a deprecation path. The flat paths of before (`jaxkv.state`, `jaxkv.prefix_cache`, ...) still import,
+with a DeprecationWarning naming the new path (`jaxkv._moved`).
+"""
 
 from jaxkv import _moved
 from jaxkv.core.invariants import InvariantError, check_invariants
@@ -92,7 +114,8 @@ _moved.install()  # the modules' former flat paths (jaxkv.state, ...) keep worki
 
 
 def __getattr__(name: str):
-    """`jaxkv.state` and the other former module names, as attributes: deprecated stand-ins (`jaxkv._moved`)."""
+    """`jaxkv.state` and the other former module names, as attributes: the modules at their new paths, with a
+    DeprecationWarning (`jaxkv._moved`)."""
     if name in _moved.MOVED:
         return _moved.load(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

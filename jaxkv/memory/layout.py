@@ -34,7 +34,7 @@ How the buffer is held (`buffer_spec`):
   of U bytes (`bytes_per_block` for block-outer layouts, the gcd of the views'
   strides for layer-outer ones) keep every index within int32.
 
-What XLA does with the typed access to a byte buffer (tests/test_layout.py
+What XLA does with the typed access to a byte buffer (tests/memory/test_layout.py
 checks the gather and the in-place write on CPU):
 - `reshape` of the buffer is a bitcast (no copy), and a slice fuses into its consumer.
 - A bitcast between dtypes of one width (uint8 → float8) is free; between

@@ -14,7 +14,7 @@ layers.json`) writes one page with no external assets:
 The numbers come from `layout_data(cfg)` (the plan's views in every layout) via
 `token_values(data, layer, token, block_table)`. The page's inline script is the
 same function in JavaScript (`tokenValues`) over the same data; the defaults are
-rendered here, so the numbers are in the HTML text, and tests/test_layout_html.py
+rendered here, so the numbers are in the HTML text, and tests/memory/test_layout_html.py
 runs the script under node to check that both agree.
 """
 
