@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from jaxkv.hashing import UnitHasher, prompt_unit_hashes
+from jaxkv.prefix.hashing import UnitHasher, prompt_unit_hashes
 
 PROMPT_LENS = (512, 1024, 2048, 4096)
 UNITS = (16, 64)

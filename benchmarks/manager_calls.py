@@ -11,7 +11,7 @@ caching off and on, times (best of 5 × 30 calls, µs per call, result on the ho
              their 6 sliding groups each release 32 blocks (R/8 × 192 entries).
 With caching on, every refill gives the rows prompts not seen before (no hits, nothing indexed twice):
 the calls index every block they fill, as a serving step does.
-Each case also reports the work signature of its timed call (`jaxkv.step.StepWork`; None: no dispatch)
+Each case also reports the work signature of its timed call (`jaxkv.core.step.StepWork`; None: no dispatch)
 and the HLO instructions of that program. `--program both` measures the default manager (specialised
 steps) beside `specialize_steps=False` (every step the full program with every row) in one run.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from serving_workload import gemma3_27b_config, sync_cpu_dispatch  # noqa: E402
 
 from jaxkv.manager import UPLOAD_ROWS, KVCacheManager  # noqa: E402
-from jaxkv.prefix_state import UPLOAD_WORDS  # noqa: E402
+from jaxkv.prefix.state import UPLOAD_WORDS  # noqa: E402
 
 BLOCK = 16
 

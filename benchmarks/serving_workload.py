@@ -53,7 +53,7 @@ from collections import deque
 import jax
 
 from jaxkv import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, UnitHasher, plan
-from jaxkv.invariants import check_invariants
+from jaxkv.core.invariants import check_invariants
 from jaxkv.manager import KVCacheManager
 
 NUM_LAYERS, WINDOW, BLOCK_SIZE = 62, 1024, 16

@@ -4,8 +4,8 @@
 Replays the first requests of a workload (as benchmarks/serving_workload.py, prefix caching on)
 once untimed, then once under `jax.profiler` (its Python tracer off). Every thunk XLA:CPU runs is
 named in the trace; the program's compiled HLO text gives each thunk's instruction, whose metadata
-carries its phase (`jax.named_scope` in `jaxkv.step.allocate_step`). Per program (work signature
-`jaxkv.step.StepWork`, rows R, and whether pending frees ride along: the common step kinds), prints
+carries its phase (`jax.named_scope` in `jaxkv.core.step.allocate_step`). Per program (work signature
+`jaxkv.core.step.StepWork`, rows R, and whether pending frees ride along: the common step kinds), prints
 how many steps ran it, the µs of the whole call (`allocate_slots_batch`), of the jitted call
 (dispatch and run) and of its thunks, and per phase the thunks' µs per call and how many ran. A
 loop's thunk counts only its own time (its body's thunks are events of their own). Thunk µs are

@@ -34,7 +34,7 @@ from flax import nnx
 from sharding import cache_sharding, out_shardings
 
 import jaxkv
-from jaxkv import state as st
+from jaxkv.core import state as st
 from jaxkv.manager import KVCacheManager
 
 

@@ -10,10 +10,10 @@ import json
 import re
 import sys
 
-from jaxkv.config import LAYOUTS
-from jaxkv.hf_config import specs_from_hf_config
-from jaxkv.layout_html import add_layout_parser
-from jaxkv.planning import GROUPINGS, plan
+from jaxkv.memory.layout_html import add_layout_parser
+from jaxkv.planner.config import LAYOUTS
+from jaxkv.planner.hf_config import specs_from_hf_config
+from jaxkv.planner.planning import GROUPINGS, plan
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip

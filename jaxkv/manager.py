@@ -1,4 +1,4 @@
-"""KVCacheManager: vLLM's manager vocabulary over the jitted pure transitions of `jaxkv.state`.
+"""KVCacheManager: vLLM's manager vocabulary over the jitted pure transitions of `jaxkv.core.state`.
 
 Dimensions: R requests in one call, G groups, M max blocks per request, T tokens.
 
@@ -12,7 +12,7 @@ Fast path:
   claim or index, or a whole-request gate); the others only advance their count,
   which the host keeps (the device's is written at the next dispatch or read), and a
   step without block work makes no dispatch;
-* the program is compiled for the step's work signature (`jaxkv.step.StepWork`,
+* the program is compiled for the step's work signature (`jaxkv.core.step.StepWork`,
   from the host's mirror of the counts): walks the step does not have are absent,
   small ones straight-line code; batches are padded to 8 rows or to `max_num_seqs`,
   with or without pending frees;
@@ -24,15 +24,15 @@ Fast path:
   that complete a hash unit are hashed.
 
 Prefix caching (on by default): `add_request` and `append_token_ids` hash the
-request's full units on the host (`jaxkv.hashing.UnitHasher`: chained SHA-256,
+request's full units on the host (`jaxkv.UnitHasher`: chained SHA-256,
 the cache salt in the first unit); the keys ride to the device with the next
-allocation (`prefix_state.store_hashes`), which caches every block whose tokens
+allocation (`jaxkv.prefix.state.store_hashes`), which caches every block whose tokens
 it schedules. `get_computed_tokens` sends the request's keys with the lookup
 (one dispatch, nothing changes on the device).
 
 Hits inside a block (a `prefix_match_unit` finer than a full-attention or state group's
-block, `jaxkv.prefix_tails`): an allocation may make block copies. Take them with
-`take_block_copies()` and apply them (`jaxkv.layout.copy_blocks`) before the forward pass
+block, `jaxkv.prefix.tails`): an allocation may make block copies. Take them with
+`take_block_copies()` and apply them (`jaxkv.copy_blocks`) before the forward pass
 that computes the allocated tokens; both blocks of a copy stay referenced until the next
 allocation after it was taken. Reading block tables or slot mappings with copies not taken
 raises.
@@ -48,14 +48,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import state as st
-from jaxkv.config import KVCacheConfig
-from jaxkv.hashing import HashMode, UnitHasher, digests_to_keys
-from jaxkv.invariants import check_invariants
+from jaxkv.core import state as st
+from jaxkv.core.invariants import check_invariants
+from jaxkv.core.step import StepBatch, StepWork, allocate_step, walk_units
 from jaxkv.metadata import StepMetadata, step_metadata
-from jaxkv.prefix_state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
-from jaxkv.specs import cdiv
-from jaxkv.step import StepBatch, StepWork, allocate_step, walk_units
+from jaxkv.planner.config import KVCacheConfig
+from jaxkv.planner.specs import cdiv
+from jaxkv.prefix.hashing import HashMode, UnitHasher, digests_to_keys
+from jaxkv.prefix.state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
 
 PREFIX_STATS = ("lookups", "lookup_tokens", "hit_tokens", "reconciliation_miss_tokens", "claimed_hit_tokens")
 FREE_ROWS = 8  # pending frees carried by one allocation; more are flushed in their own dispatch
@@ -155,13 +155,13 @@ def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
 class KVCacheManager:
     """Host facade: request ids in, block ids and ok flags out (see DESIGN.md "Public API").
 
-    `debug_checks=True` runs `jaxkv.invariants.check_invariants` after every
+    `debug_checks=True` runs `jaxkv.check_invariants` after every
     transition (slow; for tests and debugging). `prefix_match_unit`: tokens per
     hash unit (default: the gcd of the groups' block sizes; it must divide each
     of them). `hash_mode="vllm"` hashes units exactly as vLLM does.
 
     `specialize_steps` (default True): each allocation dispatches a program compiled for the
-    work its step has (`jaxkv.step.StepWork`), with only the rows that have block work; rows
+    work its step has (`jaxkv.core.step.StepWork`), with only the rows that have block work; rows
     that only advance their count are counted on the host, and a step without block work makes
     no dispatch. False: every step runs the full program with every row (same outcome; for
     tests and comparisons). `step_variants` counts the steps of each signature; at most
@@ -253,7 +253,7 @@ class KVCacheManager:
         """Registers a request and its prompt; takes a slot, no blocks.
 
         With prefix caching the prompt's full units are hashed here, unless `unit_hasher`
-        (a `jaxkv.hashing.UnitHasher` of this manager's unit that has taken these tokens or
+        (a `jaxkv.UnitHasher` of this manager's unit that has taken these tokens or
         the first of them, its salt included) brings them: hashing at request arrival, as vLLM
         does; the manager hashes the rest. It extends the hasher with the tokens
         `append_token_ids` records, as their units complete, so that a preempted request's
@@ -596,7 +596,7 @@ class KVCacheManager:
         """int32[C, 3]: the block copies allocations made since the last call (source, destination,
         valid tokens of the block), in order; they are handed over.
 
-        Apply them (`jaxkv.layout.copy_blocks(cache, copies, cfg=cfg)`) before the forward pass
+        Apply them (`jaxkv.copy_blocks(cache, copies, cfg=cfg)`) before the forward pass
         that computes the allocated tokens. Both blocks of each copy stay referenced until the
         next allocation, which releases them. Empty unless hits can end inside a block.
         """
@@ -610,7 +610,7 @@ class KVCacheManager:
             num = sum(len(c) for c in self._copies)
             raise ValueError(
                 f"{num} block copies of earlier allocations were not taken; call "
-                "take_block_copies() and apply them (jaxkv.layout.copy_blocks) before the forward pass"
+                "take_block_copies() and apply them (jaxkv.copy_blocks) before the forward pass"
             )
 
     # ---- freeing ---------------------------------------------------------------------------
@@ -689,7 +689,7 @@ class KVCacheManager:
 
     @property
     def state(self) -> st.ManagerState:
-        """The device state (for composing the pure functions of `jaxkv.state` in a jitted step).
+        """The device state (for composing the pure functions of `jaxkv.core.state` in a jitted step).
 
         Counts advanced on the host only, pending frees and unit keys are applied first. Pass
         `prefix=mgr.prefix_config` to the transitions.

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxkv.config import KVCacheConfig
-from jaxkv.layout import find_layer
-from jaxkv.specs import MambaSpec, MLAAttentionSpec
-from jaxkv.state import ManagerState, _block_tables, _slot_mappings
+from jaxkv.core.state import ManagerState, _block_tables, _slot_mappings
+from jaxkv.memory.layout import find_layer
+from jaxkv.planner.config import KVCacheConfig
+from jaxkv.planner.specs import MambaSpec, MLAAttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)

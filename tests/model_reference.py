@@ -1,6 +1,6 @@
 """Plain-Python model of jaxkv's block pool and block tables, one block at a time.
 
-It states the semantics of `jaxkv.state` and `jaxkv.pool` the slow, obvious
+It states the semantics of `jaxkv.core.state` and `jaxkv.core.pool` the slow, obvious
 way (lists, sequential loops); the tests compare every array of the jitted
 state with it after every step.
 
@@ -12,7 +12,7 @@ state with it after every step.
   ones release nothing), with all releases done before the takes.
 * free: per request, group by group, each group's blocks tail first.
 
-With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.step.allocate_step` does:
+With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.core.step.allocate_step` does:
 * a dict index (`IndexModel`); popping a cached block evicts it;
 * allocate: state blocks the rows' last step ended on are cached; hits are
   claimed tentatively in row order (a claimed block that was free, and not
@@ -28,7 +28,7 @@ With a prefix cache (`prefix`: a PrefixCacheConfig), as `jaxkv.step.allocate_ste
   head, a held one stays with its holders), and the new block is indexed;
 * free: state blocks the last step ended on are cached first.
 
-With a unit finer than a full-attention or state group's block (`jaxkv.prefix_tails`):
+With a unit finer than a full-attention or state group's block (`jaxkv.prefix.tails`):
 * the rows' prompt lengths are recorded; prompt-tail blocks are indexed at the start of a call
   (a state block's owner then moves to a fresh block, with a pinned copy) and at free;
 * a hit inside a block claims its source; the request takes a fresh block there (the first of
@@ -39,9 +39,9 @@ With a unit finer than a full-attention or state group's block (`jaxkv.prefix_ta
 
 from __future__ import annotations
 
-from jaxkv.config import KVCacheConfig
-from jaxkv.prefix_rules import HitRule, hit_blocks_reference, hybrid_hit_len_reference
-from jaxkv.specs import NULL_BLOCK, cdiv
+from jaxkv.planner.config import KVCacheConfig
+from jaxkv.planner.specs import NULL_BLOCK, cdiv
+from jaxkv.prefix.rules import HitRule, hit_blocks_reference, hybrid_hit_len_reference
 
 
 class ModelState:
@@ -59,7 +59,7 @@ class ModelState:
         self.num_computed = [0] * max_num_seqs
         self.prefix = prefix
         if prefix is not None:
-            from jaxkv.prefix_state import num_index_entries
+            from jaxkv.prefix.state import num_index_entries
 
             self.index = IndexModel(cfg.num_blocks, num_groups, prefix.ways, num_index_entries(cfg))
             self.hashes: list[list[tuple[int, ...]]] = [[] for _ in range(max_num_seqs)]  # unit keys per slot
@@ -247,7 +247,7 @@ class ModelState:
                     self.cached_this_pass.add(row[g])
         return placed
 
-    # ---- hits inside a block (jaxkv.prefix_tails) ---------------------------------------------
+    # ---- hits inside a block (jaxkv.prefix.tails) ---------------------------------------------
     def release_copies(self, dsts) -> None:
         """The copies into `dsts` were applied: source, then destination, drop their pins."""
         for d in dict.fromkeys(dsts):
@@ -540,7 +540,7 @@ def assert_state_matches(state, model: ModelState) -> None:
     np.testing.assert_array_equal(state.first_live_idx, model.first_live, err_msg="first_live_idx")
     assert_pool_matches(state.pool, model)
     if model.prefix is not None:
-        from jaxkv.prefix_cache import index_entries
+        from jaxkv.prefix.index import index_entries
 
         assert {k: b for k, (b, _) in index_entries(state.prefix.index).items()} == model.index.entries(), "index"
         np.testing.assert_array_equal(state.prefix.num_cached_blocks, model.num_cached, err_msg="num_cached")
@@ -558,7 +558,7 @@ def assert_pool_matches(pool, model: ModelState) -> None:
     import jax
     import numpy as np
 
-    from jaxkv.pool import NOT_CACHED, free_order
+    from jaxkv.core.pool import NOT_CACHED, free_order
 
     pool = jax.device_get(pool)
     np.testing.assert_array_equal(pool.ref_cnt, model.ref_cnt, err_msg="ref_cnt")
@@ -571,7 +571,7 @@ def assert_pool_matches(pool, model: ModelState) -> None:
 
 
 class IndexModel:
-    """The prefix-cache index (`jaxkv.prefix_cache`) as dicts, with its bucket capacity.
+    """The prefix-cache index (`jaxkv.prefix.index`) as dicts, with its bucket capacity.
 
     One entry per key, one block field per group. An insert call inserts its entries one
     after another: where the key has an entry, each given block fills its group's field
@@ -579,7 +579,7 @@ class IndexModel:
     """
 
     def __init__(self, num_blocks: int, num_groups: int, ways: int, num_entries: int | None = None):
-        from jaxkv.prefix_cache import num_buckets_for
+        from jaxkv.prefix.index import num_buckets_for
 
         self.ways, self.num_groups = ways, num_groups
         self.num_buckets = num_buckets_for(num_blocks if num_entries is None else num_entries, ways)

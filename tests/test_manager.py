@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_reference import ModelState, assert_state_matches
-from test_state import full, make_cfg, mamba, sliding
+from tiny_configs import full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager, UnitHasher
-from jaxkv.hashing import prompt_unit_hashes
-from jaxkv.invariants import check_invariants
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.core.invariants import check_invariants
+from jaxkv.planner.specs import NULL_BLOCK
+from jaxkv.prefix.hashing import prompt_unit_hashes
 
 # Full + sliding window 4 + state group, block 2, 15 usable blocks, 3 requests at most.
 CFG = make_cfg(16, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_batched_tokens=8)

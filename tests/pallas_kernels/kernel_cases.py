@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxkv.specs import NULL_BLOCK
+from jaxkv.planner.specs import NULL_BLOCK
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

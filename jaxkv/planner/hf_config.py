@@ -1,0 +1,224 @@
+"""Layer specs from a Hugging Face `config.json`, for the model types users run.
+
+`specs_from_hf_config(config_dict)` returns the mapping `plan()` takes: layer name →
+spec, or → the name of the layer whose cache it reuses (KV sharing). Layer names
+follow vLLM's: `model.layers.{i}.self_attn.attn` for attention,
+`model.layers.{i}.linear_attn` for Qwen3-Next's linear-attention (state) layers,
+`model.layers.{i}.self_attn.indexer.k_cache` for DeepSeek-V3.2's indexer cache.
+Multimodal configs (gemma3, gemma3n, llama4) are read from their `text_config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from jaxkv.planner.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+Layers = dict[str, KVCacheSpec | str]
+
+DEFAULT_BLOCK_SIZE = 16
+DEEPSEEK_SPARSE_MLA_BLOCK_SIZE = 64
+"""DeepSeek-V3.2's sparse MLA kernels (FlashMLA) read 64-token blocks."""
+
+
+def specs_from_hf_config(config_dict: Mapping, *, dtype="bfloat16", block_size: int | None = None) -> Layers:
+    """Layer name → spec (or shared layer's owner name) for a Hugging Face config.
+
+    Args:
+      config_dict: the parsed `config.json`.
+      dtype: the KV cache dtype (name or numpy/JAX dtype). DeepSeek-V3.2 keeps its
+        latent and indexer caches in their FP8-with-scales byte format whatever it is.
+      block_size: tokens per block; None means 16 (64 for DeepSeek-V3.2). Qwen3-Next
+        raises its attention block size to a multiple of it whose page covers one
+        linear-attention state, and pads the state to that page, as vLLM does.
+    """
+    model_type = config_dict.get("model_type")
+    builder = _BUILDERS.get(model_type)
+    if builder is None:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by specs_from_hf_config; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}. For another model, describe its layers by hand and pass them "
+            "to jaxkv.plan: {'model.layers.0.self_attn.attn': jaxkv.FullAttentionSpec(block_size=16, "
+            "num_kv_heads=8, head_size=128, dtype='bfloat16'), 'model.layers.1.self_attn.attn': "
+            "jaxkv.SlidingWindowSpec(..., sliding_window=4096), ...}"
+        )
+    text = config_dict.get("text_config") or config_dict
+    return builder(_Config(text, model_type), dtype, block_size)
+
+
+class _Config:
+    """Field access with errors that name the model type and the missing field."""
+
+    def __init__(self, fields: Mapping, model_type: str):
+        self.fields = fields
+        self.model_type = model_type
+
+    def __getitem__(self, key: str):
+        if self.fields.get(key) is None:
+            raise ValueError(
+                f"config.json (model_type={self.model_type!r}) has no {key!r}, which this model type needs"
+            )
+        return self.fields[key]
+
+    def get(self, key: str, default=None):
+        value = self.fields.get(key)
+        return default if value is None else value
+
+    @property
+    def num_layers(self) -> int:
+        return self["num_hidden_layers"]
+
+    def attention(self, dtype, block_size: int) -> dict:
+        """Spec fields of a standard attention layer."""
+        heads = self["num_attention_heads"]
+        head_dim = self.get("head_dim") or self["hidden_size"] // heads
+        return dict(
+            block_size=block_size, num_kv_heads=self.get("num_key_value_heads", heads), head_size=head_dim, dtype=dtype
+        )
+
+    def layer_types(self, default: Callable[[int], str]) -> list[str]:
+        """`layer_types` when given, else `default(i)` for each layer."""
+        types = self.get("layer_types") or [default(i) for i in range(self.num_layers)]
+        if len(types) != self.num_layers:
+            raise ValueError(
+                f"config.json (model_type={self.model_type!r}) has {len(types)} layer_types for "
+                f"{self.num_layers} layers; give one per layer"
+            )
+        return list(types)
+
+
+def _name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def _full_or_sliding(cfg: _Config, types: list[str], dtype, block_size: int) -> Layers:
+    attn = cfg.attention(dtype, block_size)
+    window = cfg.get("sliding_window")
+    out: Layers = {}
+    for i, t in enumerate(types):
+        if t == "sliding_attention" and window is not None:
+            out[_name(i)] = SlidingWindowSpec(**attn, sliding_window=window)
+        elif t in ("sliding_attention", "full_attention"):
+            out[_name(i)] = FullAttentionSpec(**attn)
+        else:
+            raise ValueError(f"layer {i} has layer type {t!r}; expected 'full_attention' or 'sliding_attention'")
+    return out
+
+
+def _gemma3(cfg: _Config, dtype, block_size) -> Layers:
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = cfg.layer_types(lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention")
+    return _full_or_sliding(cfg, types, dtype, block_size or DEFAULT_BLOCK_SIZE)
+
+
+def _gpt_oss(cfg: _Config, dtype, block_size) -> Layers:
+    types = cfg.layer_types(lambda i: "sliding_attention" if i % 2 == 0 else "full_attention")
+    return _full_or_sliding(cfg, types, dtype, block_size or DEFAULT_BLOCK_SIZE)
+
+
+def _mistral(cfg: _Config, dtype, block_size) -> Layers:
+    kind = "sliding_attention" if cfg.get("sliding_window") is not None else "full_attention"
+    return _full_or_sliding(cfg, cfg.layer_types(lambda i: kind), dtype, block_size or DEFAULT_BLOCK_SIZE)
+
+
+def _llama(cfg: _Config, dtype, block_size) -> Layers:
+    attn = cfg.attention(dtype, block_size or DEFAULT_BLOCK_SIZE)
+    return {_name(i): FullAttentionSpec(**attn) for i in range(cfg.num_layers)}
+
+
+def _llama4(cfg: _Config, dtype, block_size) -> Layers:
+    """Layers with RoPE (no_rope_layers[i] == 1) attend within `attention_chunk_size`; NoPE layers are global."""
+    attn = cfg.attention(dtype, block_size or DEFAULT_BLOCK_SIZE)
+    interval = cfg.get("no_rope_layer_interval", 4)
+    rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(cfg.num_layers)]
+    chunk = cfg.get("attention_chunk_size")
+    return {
+        _name(i): ChunkedLocalAttentionSpec(**attn, attention_chunk_size=chunk)
+        if rope[i] and chunk
+        else FullAttentionSpec(**attn)
+        for i in range(cfg.num_layers)
+    }
+
+
+def _qwen3_next(cfg: _Config, dtype, block_size) -> Layers:
+    """Gated DeltaNet layers hold a conv state and a recurrent state; every 4th layer is full attention."""
+    interval = cfg.get("full_attention_interval", 4)
+    types = cfg.layer_types(lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention")
+    num_k, num_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    head_k, head_v = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    conv_dim = 2 * num_k * head_k + num_v * head_v
+    state = MambaSpec(
+        block_size=1,
+        shapes=((cfg["linear_conv_kernel_dim"] - 1, conv_dim), (num_v, head_v, head_k)),
+        dtypes=(dtype, dtype),
+    )
+    align = block_size or DEFAULT_BLOCK_SIZE
+    one_token = FullAttentionSpec(**cfg.attention(dtype, 1)).page_size_bytes
+    attn_block = align * cdiv(state.page_size_bytes, align * one_token)
+    attn = FullAttentionSpec(**cfg.attention(dtype, attn_block))
+    padded = attn.page_size_bytes if attn.page_size_bytes != state.page_size_bytes else None
+    state = MambaSpec(block_size=attn_block, shapes=state.shapes, dtypes=state.dtypes, page_size_padded=padded)
+    out: Layers = {}
+    for i, t in enumerate(types):
+        if t == "full_attention":
+            out[_name(i)] = attn
+        elif t == "linear_attention":
+            out[f"model.layers.{i}.linear_attn"] = state
+        else:
+            raise ValueError(f"layer {i} has layer type {t!r}; expected 'full_attention' or 'linear_attention'")
+    return out
+
+
+def _deepseek_v32(cfg: _Config, dtype, block_size) -> Layers:
+    """MLA latent in FP8 with scales (DeepSeek's fp8_ds_mla: 512 FP8 + 4 float32 scales + 64 bf16 RoPE
+    = 656 B/token) and the indexer's FP8 key with one float32 scale per 128 (132 B/token), one block table."""
+    block_size = block_size or DEEPSEEK_SPARSE_MLA_BLOCK_SIZE
+    rank = cfg["kv_lora_rank"]
+    latent = rank + rank // 128 * 4 + cfg["qk_rope_head_dim"] * 2
+    index_dim = cfg["index_head_dim"]
+    indexer = index_dim + index_dim // 128 * 4
+    mla = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=latent, dtype="uint8")
+    idx = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=indexer, dtype="uint8")
+    out: Layers = {}
+    for i in range(cfg.num_layers):
+        out[_name(i)] = mla
+        out[f"model.layers.{i}.self_attn.indexer.k_cache"] = idx
+    return out
+
+
+def _gemma3n(cfg: _Config, dtype, block_size) -> Layers:
+    """The last `num_kv_shared_layers` layers reuse the cache of the last earlier layer of their type."""
+    types = cfg.layer_types(lambda i: "full_attention" if (i + 1) % 5 == 0 else "sliding_attention")
+    out = _full_or_sliding(cfg, types, dtype, block_size or DEFAULT_BLOCK_SIZE)
+    first_shared = cfg.num_layers - cfg.get("num_kv_shared_layers", 0)
+    for i in range(first_shared, cfg.num_layers):
+        owners = [j for j in range(first_shared) if types[j] == types[i]]
+        if not owners:
+            raise ValueError(f"shared layer {i} ({types[i]}) has no earlier layer of its type to share with")
+        out[_name(i)] = _name(owners[-1])
+    return out
+
+
+_BUILDERS = {
+    "deepseek_v32": _deepseek_v32,
+    "gemma3": _gemma3,
+    "gemma3_text": _gemma3,
+    "gemma3n": _gemma3n,
+    "gemma3n_text": _gemma3n,
+    "gpt_oss": _gpt_oss,
+    "llama": _llama,
+    "llama4": _llama4,
+    "llama4_text": _llama4,
+    "ministral": _mistral,
+    "mistral": _mistral,
+    "qwen3_next": _qwen3_next,
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_BUILDERS))

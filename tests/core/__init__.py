@@ -1,0 +1,1 @@
+"""Tests of jaxkv.core (a package: see tests/conftest.py)."""

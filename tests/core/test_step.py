@@ -1,0 +1,143 @@
+"""The step pipeline: a program compiled for a step's work signature (rows that only advance their count
+left on the host) gives the same state, bit for bit, as the full program with every row.
+
+Two managers take the same random operations: one specialises its steps (`KVCacheManager` default), the
+other runs the full program (`specialize_steps=False`). After every operation their device states,
+ok flags and free counts are equal; the invariants hold after every step in both.
+"""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_configs import chunked, full, make_cfg, mamba, sliding
+
+from jaxkv import KVCacheManager
+from jaxkv import manager as manager_module
+from jaxkv.core.invariants import check_invariants
+from jaxkv.core.step import StepWork
+from jaxkv.manager import _walk_size
+
+CONFIGS = {
+    # Attention groups only: rows without block work stay on the host.
+    "full+sliding": make_cfg(24, full(2), sliding(2, 4), max_model_len=16, max_num_batched_tokens=8),
+    "sliding+chunked": make_cfg(24, sliding(2, 3), chunked(2, 4), full(4), max_model_len=16, max_num_batched_tokens=8),
+    # A state group: every row is sent, the walks are still specialised.
+    "full+mamba": make_cfg(16, full(2), mamba(2), max_model_len=16, max_num_batched_tokens=8),
+}
+VARIANTS_SEEN: dict[str, set] = {}
+
+
+def _assert_same(a: KVCacheManager, b: KVCacheManager):
+    for x, y in zip(
+        jax.tree_util.tree_leaves(jax.device_get(a.state)), jax.tree_util.tree_leaves(jax.device_get(b.state))
+    ):
+        np.testing.assert_array_equal(x, y)
+    assert a.num_free_blocks == b.num_free_blocks
+
+
+def run_random_ops(name, caching, data):
+    cfg = CONFIGS[name]
+    lean = KVCacheManager(cfg, max_num_seqs=3, enable_prefix_caching=caching)
+    whole = KVCacheManager(cfg, max_num_seqs=3, enable_prefix_caching=caching, specialize_steps=False)
+    running: list[str] = []
+    next_id = 0
+    for _ in range(data.draw(st.integers(1, 24), label="num_ops")):
+        op = data.draw(st.sampled_from(["add", "allocate", "allocate", "allocate", "free"]), label="op")
+        if op == "add" and len(running) < 3:
+            rid, next_id = f"r{next_id}", next_id + 1
+            prompt = [next_id % 2] * data.draw(st.integers(1, 14), label="prompt_len")  # repeats: hits
+            for mgr in (lean, whole):
+                mgr.add_request(rid, prompt)
+            running.append(rid)
+        elif op == "allocate" and running:
+            rids = data.draw(st.permutations(running), label="order")[: data.draw(st.integers(1, len(running)))]
+            new, hits = [], []
+            for rid in rids:
+                if lean.num_tokens(rid) == lean.num_computed_tokens(rid) and lean.num_tokens(rid) < 16:
+                    for mgr in (lean, whole):
+                        mgr.append_token_ids_batch([rid], [[3]])
+                first_call = lean.num_computed_tokens(rid) == 0
+                hit = lean.get_computed_tokens(rid) if first_call else 0
+                assert hit == (whole.get_computed_tokens(rid) if first_call else 0)
+                hits.append(hit)
+                remaining = lean.num_tokens(rid) - lean.num_computed_tokens(rid) - hit
+                new.append(data.draw(st.integers(0, min(remaining, 4)), label="new"))
+            must_fit = data.draw(st.booleans(), label="must_fit")
+            ok = [mgr.allocate_slots_batch(rids, new, hits, full_sequence_must_fit=must_fit) for mgr in (lean, whole)]
+            assert ok[0].tolist() == ok[1].tolist()
+            _assert_same(lean, whole)
+            check_invariants(cfg, lean.state, lean.prefix_config)
+        elif op == "free" and running:
+            rids = data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True), label="free")
+            for mgr in (lean, whole):
+                mgr.free_batch(rids)
+            running = [r for r in running if r not in rids]
+    _assert_same(lean, whole)
+    assert set(whole.step_variants) <= {StepWork()}
+    VARIANTS_SEEN.setdefault(name, set()).update(lean.step_variants)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@settings(max_examples=8, deadline=None)  # each new work signature compiles: a few seconds
+@given(data=st.data())
+def test_specialised_steps_equal_the_full_program(name, caching, data):
+    run_random_ops(name, caching, data)
+
+
+def test_the_random_steps_used_several_variants():
+    # Runs after the property tests of this module: they must have exercised absent, straight-line and
+    # several combinations of walks, or the equality above says little.
+    if not VARIANTS_SEEN:
+        pytest.skip("run it with the property tests of this module")
+    seen = set().union(*VARIANTS_SEEN.values())
+    assert len(seen) >= 6, seen
+    assert any(w.take == 0 for w in seen) and any(w.take == 512 for w in seen)
+    assert any(w.index == 512 for w in seen) and any(w.release == 512 for w in seen)
+
+
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_specialised_steps_equal_the_full_program_eager(data):
+    with jax.disable_jit():
+        run_random_ops("full+sliding", True, data)
+
+
+def test_walk_sizes():
+    assert [_walk_size(n) for n in (0, 1, 512, 513)] == [0, 512, 512, None]
+
+
+def test_a_step_without_block_work_makes_no_dispatch():
+    # Block 4, one full group: a decode inside a block takes nothing, releases nothing, fills nothing.
+    cfg = make_cfg(8, full(4), max_model_len=16, max_num_batched_tokens=8)
+    mgr = KVCacheManager(cfg, max_num_seqs=2, enable_prefix_caching=False)
+    mgr.add_request("a", [1, 2, 3, 4, 5])
+    assert mgr.allocate_slots("a", 5)  # blocks 0 and 1: a dispatch
+    mgr.append_token_ids("a", [6])
+    state_before = mgr._state
+    assert mgr.allocate_slots("a", 1)  # token 5 lands in block 1: host only
+    assert mgr._state is state_before and mgr.num_computed_tokens("a") == 6
+    assert int(mgr.state.num_computed[mgr.slots_of(["a"])[0]]) == 6  # a read writes the count first
+    check_invariants(cfg, mgr.state)
+
+
+def test_steps_past_the_program_bound_run_the_full_program(monkeypatch):
+    # A config of its own (its program set is fresh); a bound of one specialised program: the second
+    # signature runs StepWork(), with the same outcome as the full manager.
+    cfg = make_cfg(20, full(2), sliding(2, 4), max_model_len=20, max_num_batched_tokens=8)
+    monkeypatch.setattr(manager_module, "MAX_PROGRAMS", 1)
+    lean = KVCacheManager(cfg, max_num_seqs=2)
+    whole = KVCacheManager(cfg, max_num_seqs=2, specialize_steps=False)
+    for mgr in (lean, whole):
+        mgr.add_request("a", [1, 2, 3, 4, 5])
+        assert mgr.allocate_slots("a", 5)  # takes blocks, indexes two: a first signature
+    assert lean.last_work not in (None, StepWork())
+    for mgr in (lean, whole):
+        mgr.add_request("b", [1, 2, 3, 4, 5, 6, 7])
+        hit = mgr.get_computed_tokens("b")
+        assert hit == 4 and mgr.allocate_slots("b", 3, num_new_computed_tokens=hit)  # claims: another one
+    assert lean.last_work == StepWork() and len(lean._programs) == 1
+    _assert_same(lean, whole)
+    check_invariants(cfg, lean.state, lean.prefix_config)

@@ -1,0 +1,1 @@
+"""Tests of jaxkv.memory (a package: see tests/conftest.py)."""

@@ -1,0 +1,1 @@
+"""Tests of jaxkv.planner (a package: see tests/conftest.py)."""

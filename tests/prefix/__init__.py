@@ -1,0 +1,1 @@
+"""Tests of jaxkv.prefix (a package: see tests/conftest.py)."""
