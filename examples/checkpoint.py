@@ -27,7 +27,7 @@ FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3,
 class Checkpoint:
     path: Path
     config: dict  # config.json as parsed
-    text: TextConfig
+    text: TextConfig  # qwen3_next: qwen3_next.Qwen3NextConfig
     eos_token_ids: tuple[int, ...]
     tokenizer: object  # tokenizers.Tokenizer
 
@@ -57,7 +57,12 @@ def open_checkpoint(path) -> Checkpoint:
 
     path = Path(path)
     config = _read_json(path / "config.json")
-    text = TextConfig.from_hf(config)
+    if config.get("model_type") == "qwen3_next":
+        from qwen3_next import Qwen3NextConfig
+
+        text = Qwen3NextConfig.from_hf(config)
+    else:
+        text = TextConfig.from_hf(config)
     if not (path / "tokenizer.json").exists():
         raise ValueError(f"{path / 'tokenizer.json'} is missing; the example reads prompts with it")
     eos: list[int] = []
@@ -141,9 +146,12 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def load_model(checkpoint: Checkpoint, dtype=None):
-    """The example's `hf_model.Decoder` with the checkpoint's weights, all in `dtype` (None: the
-    embedding's dtype as stored, bf16 for published checkpoints)."""
-    from hf_model import Decoder
+    """The example's `hf_model.Decoder` (`qwen3_next.Decoder` for qwen3_next) with the checkpoint's weights, all
+    in `dtype` (None: the embedding's dtype as stored, bf16 for published checkpoints)."""
+    if checkpoint.text.model_type == "qwen3_next":
+        from qwen3_next import Decoder
+    else:
+        from hf_model import Decoder
 
     weights = Weights(checkpoint.path)
     if dtype is None:
