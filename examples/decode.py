@@ -139,6 +139,11 @@ def main(argv=None) -> int:
         from checkpoint import load_model, open_checkpoint
 
         checkpoint = open_checkpoint(args.checkpoint)
+        if checkpoint.text.model_type == "qwen3_next":
+            raise SystemExit(
+                f"{args.checkpoint}: qwen3_next is ported (examples/qwen3_next.py: dense and chunked passes) but "
+                "not yet served through the paged pool (issue 16); Gemma 3 and gpt-oss are"
+            )
         model = load_model(checkpoint, args.dtype)
         specs = jaxkv.specs_from_hf_config(
             checkpoint.config, dtype=model.embed_tokens[...].dtype, block_size=args.block_size

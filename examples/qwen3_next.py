@@ -334,9 +334,3 @@ class Decoder(nnx.Module):
             x = layer.mlp_residual(x + h)
             new_cache.append(tuple(state))
         return self.logits(x), tuple(new_cache)
-
-    def forward_paged(self, tokens, cache, meta, mesh=None):
-        raise NotImplementedError(
-            "serving qwen3_next through jaxkv's paged pool is not implemented yet (issue 16); use forward_dense or "
-            "forward_chunk"
-        )

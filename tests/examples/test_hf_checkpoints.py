@@ -33,13 +33,13 @@ def load_reference(name: str) -> list[dict[str, np.ndarray]]:
     return [{key: ref[f"{key}_{i}"] for key in ("prompt", "tokens", "logits")} for i in range(count)]
 
 
-def serve(name: str, tmp_path, prompts: list[list[int]] | None, max_new_tokens: int, *extra: str):
-    """Runs examples/decode.py on fixture `name` with these prompts (None: give `--prompt` in `extra`);
-    returns (stdout, per prompt its greedy tokens and logits)."""
+def serve(name: str, tmp_path, prompts: list[list[int]] | None, max_new_tokens: int, num_blocks: int, *extra: str):
+    """Runs examples/decode.py on fixture `name` with these prompts (None: give `--prompt` in `extra`)
+    and a pool of `num_blocks`; returns (stdout, per prompt its greedy tokens and logits)."""
     out = tmp_path / "out.npz"
     args = ["--checkpoint", str(FIXTURES / name), "--max-new-tokens", str(max_new_tokens), "--ignore-eos"]
     args += ["--logits-out", str(out), "--block-size", "4", "--max-num-seqs", "3", "--max-num-batched-tokens", "16"]
-    args += ["--decode-steps", "4", "--num-blocks", "48"]  # small enough to preempt
+    args += ["--decode-steps", "4", "--num-blocks", str(num_blocks)]
     if prompts is not None:
         (tmp_path / "prompts.json").write_text(json.dumps(prompts))
         args += ["--prompt-tokens", str(tmp_path / "prompts.json")]
@@ -81,7 +81,7 @@ def figure(pattern: str, stdout: str) -> int:
 
 def test_gemma3_served_logits_equal_transformers(tmp_path):
     ref = load_reference("gemma3_text")
-    stdout, served = serve("gemma3_text", tmp_path, [r["prompt"].tolist() for r in ref], 12, "--dtype", "float32")
+    stdout, served = serve("gemma3_text", tmp_path, [r["prompt"].tolist() for r in ref], 12, 54, "--dtype", "float32")
     assert_served_as_transformers("gemma3_text", stdout, served)
 
 
@@ -89,7 +89,7 @@ def test_gpt_oss_text_prompts_served_over_two_devices(tmp_path):
     # 2 KV heads: the cache, the kernels and the sinks split over 2 devices. The prompts go in as text.
     texts = json.loads((FIXTURES / "gpt_oss" / "prompts.json").read_text())
     stdout, served = serve(
-        "gpt_oss", tmp_path, None, 12, "--dtype", "float32", "--tp", "2", *sum((["--prompt", t] for t in texts), [])
+        "gpt_oss", tmp_path, None, 12, 48, "--dtype", "float32", "--tp", "2", *sum((["--prompt", t] for t in texts), [])
     )
     assert "sharded as P(None, None, 'model')" in stdout
     assert_served_as_transformers("gpt_oss", stdout, served)
@@ -102,7 +102,7 @@ def test_bf16_checkpoint_served_as_stored(tmp_path):
     # tokens are fed as the prompt (teacher forcing), so every position is compared.
     ref = load_reference("gemma3")
     prompts = [np.concatenate([r["prompt"], r["tokens"][:-1]]).tolist() for r in ref]
-    stdout, served = serve("gemma3", tmp_path, prompts, 1)
+    stdout, served = serve("gemma3", tmp_path, prompts, 1, 48)
     assert "bfloat16 sharded as" in stdout
     for i, (r, got) in enumerate(zip(ref, served, strict=True)):
         assert_logits_close(r["logits"], got["logits"], BF16_TOLERANCE, f"prompt {i}")

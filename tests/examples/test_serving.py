@@ -1,0 +1,35 @@
+"""The example's serving loop stops a request at its EOS ids, in the host step and in device loops."""
+
+from __future__ import annotations
+
+import sys
+
+from decode_runs import EXAMPLES
+
+sys.path.insert(0, str(EXAMPLES))
+
+
+def test_requests_stop_at_their_first_eos_token():
+    from flax import nnx
+    from model import Decoder, ModelConfig
+    from serving import ServingLoop
+
+    import jaxkv
+
+    model_cfg = ModelConfig.tiny()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    cfg = jaxkv.plan(model_cfg.kv_cache_specs(4), 1 << 20, max_model_len=32, max_num_batched_tokens=16)
+
+    loop = ServingLoop(Decoder(model_cfg, rngs=nnx.Rngs(0)), cfg, decode_steps=4, record_logits=True)
+    free_running = loop.generate(prompts, 12)
+    output = free_running[0].output
+    assert len(output) == 12
+    # An EOS id that prompt 0 first produces at output index k >= 2 (inside a device loop).
+    k = next(i for i, t in enumerate(output) if i >= 2 and t not in output[:i])
+    stopped = loop.generate(prompts, 12, eos_token_ids=(output[k],))
+    assert stopped[0].output == output[: k + 1]  # the EOS itself is kept, nothing after it
+    assert max(stopped[0].logits) == len(prompts[0]) + k - 1  # no logits recorded past it
+    other = free_running[1].output
+    expected = other[: other.index(output[k]) + 1] if output[k] in other else other
+    assert stopped[1].output == expected
+    assert loop.mgr.num_free_blocks == cfg.num_blocks - 1  # every request was freed
