@@ -15,11 +15,13 @@ import dataclasses
 import json
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  (safetensors' numpy side reads bf16 tensors through it)
 import numpy as np
 from hf_config import TextConfig
 
 # The text model's tensors sit under one of these prefixes (gemma3 multimodal checkpoints nest it).
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors' names
 FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
@@ -105,7 +107,7 @@ class Weights:
             return "language_model.lm_head.weight"
         return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
-    def read(self, key: str) -> np.ndarray:
+    def _file(self, key: str):
         from safetensors import safe_open
 
         file = self.files[key]
@@ -113,7 +115,17 @@ class Weights:
             if not file.exists():
                 raise ValueError(f"{file} is listed in the checkpoint's index but missing")
             self._open[file] = safe_open(file, framework="np")
-        return self._open[file].get_tensor(key)
+        return self._open[file]
+
+    def read(self, key: str) -> np.ndarray:
+        return self._file(key).get_tensor(key)
+
+    def dtype(self, key: str) -> np.dtype:
+        """The stored dtype of tensor `key`, without reading it."""
+        stored = self._file(key).get_slice(key).get_dtype()
+        if stored not in FLOAT_DTYPES:
+            raise ValueError(f"tensor {key!r} is stored as {stored}; expected one of {', '.join(FLOAT_DTYPES)}")
+        return np.dtype(FLOAT_DTYPES[stored])
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         key = self.key(name)
@@ -155,5 +167,5 @@ def load_model(checkpoint: Checkpoint, dtype=None):
 
     weights = Weights(checkpoint.path)
     if dtype is None:
-        dtype = weights.read(weights.key("model.embed_tokens.weight")).dtype
+        dtype = weights.dtype(weights.key("model.embed_tokens.weight"))
     return Decoder(checkpoint.text, lambda name, shape: weights.get(name, shape).astype(dtype))

@@ -30,8 +30,9 @@ import sys
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", metavar="DIR", help="serve this Hugging Face checkpoint (Gemma 3, gpt-oss)")
-    p.add_argument("--prompt", action="append", help="a prompt's text (with --checkpoint); repeat for more")
-    p.add_argument("--prompt-tokens", metavar="FILE.json", help="prompts as token ids: a JSON list of lists")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--prompt", action="append", help="a prompt's text (with --checkpoint); repeat for more")
+    given.add_argument("--prompt-tokens", metavar="FILE.json", help="prompts as token ids: a JSON list of lists")
     p.add_argument(
         "--dtype", choices=("bfloat16", "float32"), help="weights, activations and cache (default: the checkpoint's)"
     )
@@ -115,6 +116,15 @@ def write_logits(path: str, requests, vocab_size: int) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    if args.checkpoint is not None and args.tiny:
+        raise SystemExit("--tiny picks the toy model; with --checkpoint the checkpoint is the model")
+    if args.checkpoint is not None and args.check and args.dtype != "float32":
+        raise SystemExit(
+            "--check compares with a float32 tolerance; with --checkpoint add --dtype float32 (bf16 rounding moves "
+            "logits by about 2% of their scale)"
+        )
     if args.tp % args.num_processes:
         raise SystemExit(f"--tp {args.tp} must be a multiple of --num-processes {args.num_processes}")
     local_devices = args.tp // args.num_processes

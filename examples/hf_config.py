@@ -17,6 +17,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxkv.planner.hf_config import text_fields
+
 SUPPORTED = ("gemma3_text", "gemma3", "gpt_oss")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -56,6 +58,12 @@ class TextConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
 
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"config.json: {self.num_heads=} must be divisible by {self.num_kv_heads=}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config.json: {self.num_experts_per_tok=} must not exceed {self.num_experts=}")
+
     @property
     def is_gemma(self) -> bool:
         return self.model_type == "gemma3_text"
@@ -72,16 +80,15 @@ class TextConfig:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED:
             raise ValueError(f"config.json has model_type={model_type!r}; the example serves {', '.join(SUPPORTED)}")
+        fields = text_fields(config)  # with transformers' defaults for what the file leaves out
         if model_type == "gemma3":
             if "text_config" not in config:
                 raise ValueError("config.json (model_type='gemma3') has no 'text_config'")
             # Gemma3ForConditionalGeneration applies no final logit softcap, whatever text_config says.
-            return dataclasses.replace(
-                _gemma3(_Fields(config["text_config"], "gemma3.text_config")), final_logit_softcapping=None
-            )
+            return dataclasses.replace(_gemma3(_Fields(fields, "gemma3.text_config")), final_logit_softcapping=None)
         if model_type == "gemma3_text":
-            return _gemma3(_Fields(config, model_type))
-        return _gpt_oss(_Fields(config, model_type))
+            return _gemma3(_Fields(fields, model_type))
+        return _gpt_oss(_Fields(fields, model_type))
 
 
 class _Fields:
@@ -138,8 +145,10 @@ def default_inv_freq(head_dim: int, base: float) -> np.ndarray:
 def yarn_rope(head_dim: int, base: float, params: Mapping, max_position_embeddings: int) -> Rope:
     """YaRN: inverse frequencies blended between interpolation (/ factor) and extrapolation by a
     linear ramp over dimensions; cos and sin scaled by the attention factor."""
-    factor = params.get("factor") or max_position_embeddings / params["original_max_position_embeddings"]
-    original = params["original_max_position_embeddings"]
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(f"config.json's YaRN rope parameters {dict(params)} lack 'original_max_position_embeddings'")
+    factor = params.get("factor") or max_position_embeddings / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")

@@ -37,6 +37,8 @@ from hf_config import default_inv_freq
 from hf_model import Linear, RMSNorm, rope
 from jax import lax
 
+from jaxkv.planner.hf_config import text_fields
+
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
@@ -81,6 +83,7 @@ class Qwen3NextConfig:
         """Reads a parsed `config.json` (transformers ≥ 5's `rope_parameters` and `layer_types`, or the published
         checkpoints' `rope_theta`, `partial_rotary_factor` and `full_attention_interval`); raises ValueError
         naming what is missing or not supported."""
+        config = text_fields(config)  # with transformers' defaults for what the file leaves out
 
         def need(key):
             if config.get(key) is None:
@@ -187,7 +190,12 @@ class GatedAttention(nnx.Module):
         return self.output(attention(q, k, v, positions, self.cfg.head_dim**-0.5), gate)
 
     def chunk(self, x, start, kv):
-        """x [T, D] at positions start.., kv (k, v [S, K, H]) holding positions < start -> (y [T, D], kv')."""
+        """x [T, D] at positions start.., kv (k, v [S, K, H]) holding positions < start -> (y [T, D], kv').
+        Needs start + T <= S: a traced start past it would be clamped by the update (and overwrite earlier K/V)."""
+        if isinstance(start, int) and start + x.shape[0] > kv[0].shape[0]:
+            raise ValueError(
+                f"a chunk of {x.shape[0]} tokens at {start=} does not fit the {kv[0].shape[0]}-token cache"
+            )
         positions = start + jnp.arange(x.shape[0])
         q, k, v, gate = self.project(x, positions)
         k_all, v_all = (lax.dynamic_update_slice_in_dim(c, new, start, axis=0) for c, new in zip(kv, (k, v)))

@@ -76,18 +76,19 @@ def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata)
     return model.forward_paged(tokens, cache, meta, mesh)
 
 
-def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_slots, next_token, remaining):
+def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_slots, next_token, remaining, eos):
     """N decode steps on device: allocate one token per row, write and attend, sample; repeat.
 
     req_slots int32[R] (S = padding), next_token int32[R] (the token each row computes next),
-    remaining int32[R] (tokens each row may still produce). Returns the state, the cache,
+    remaining int32[R] (tokens each row may still produce), eos int32[R, E] (each row's EOS ids, -1 padding: a
+    row stops after producing one). Returns the state, the cache,
     produced bool[N, R], tokens int32[N, R] and logits float32[N, R, V].
     """
     row = req_slots < state.num_computed.shape[0]
 
     def step(carry, s):
-        state, cache, token = carry
-        wanted = row & (s < remaining)
+        state, cache, token, stopped = carry
+        wanted = row & (s < remaining) & ~stopped
         state, result = st.allocate(state, req_slots, wanted.astype(jnp.int32), cfg=kv_cfg)
         produced = result.ok & wanted
         meta = jaxkv.step_metadata(
@@ -99,10 +100,11 @@ def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_sl
         logits, cache = _model_step(graphdef, mesh, params, cache, packed, meta)
         logits = logits[meta.query_start_loc[:-1]]
         token = jnp.where(produced, jnp.argmax(logits, axis=-1).astype(jnp.int32), token)
-        return (state, cache, token), (produced, token, logits)
+        stopped = stopped | (produced & (token[:, None] == eos).any(axis=1))
+        return (state, cache, token, stopped), (produced, token, logits)
 
-    (state, cache, _), (produced, tokens, logits) = jax.lax.scan(
-        step, (state, cache, next_token), jnp.arange(num_steps)
+    (state, cache, _, _), (produced, tokens, logits) = jax.lax.scan(
+        step, (state, cache, next_token, jnp.zeros_like(row)), jnp.arange(num_steps)
     )
     return state, cache, produced, tokens, logits
 
@@ -275,30 +277,32 @@ class ServingLoop:
         req_slots[:n] = self.mgr.slots_of([r.request_id for r in self.running])
         next_token[:n] = [r.tokens[-1] for r in self.running]
         remaining[:n] = [r.max_new_tokens - len(r.output) for r in self.running]
+        eos = np.full((num_rows, max(1, *(len(r.eos_token_ids) for r in self.running))), -1, np.int32)
+        for i, r in enumerate(self.running):
+            eos[i, : len(r.eos_token_ids)] = r.eos_token_ids
         state, self.cache, produced, tokens, logits = self._decode_loop(
-            self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining
+            self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining, eos
         )
         produced, tokens = np.asarray(produced), np.asarray(tokens)
         logits = np.asarray(logits) if self.record_logits else None
         self.mgr.adopt_state(state, [r.request_id for r in self.running])
         self.stats.device_loops += 1
         self.stats.steps += self.decode_steps
+        stalled = False
         for i, req in enumerate(list(self.running)):
             steps = np.flatnonzero(produced[:, i])
             self.stats.tokens_computed += len(steps)
-            for s in steps[: self._emit(req, tokens[steps, i].tolist())]:  # none past an EOS
+            self._emit(req, tokens[steps, i].tolist())
+            for s in steps:
                 if self.record_logits:
                     req.logits[req.num_computed] = logits[s, i]
                 req.num_computed += 1
-        return bool((produced.sum(0)[:n] < np.minimum(remaining[:n], self.decode_steps)).any())
+            stalled |= len(steps) < min(remaining[i], self.decode_steps) and not req.done
+        return stalled
 
-    def _emit(self, req: Request, new_tokens: list[int]) -> int:
-        """Appends sampled tokens, up to the request's limit and its first EOS; frees the request
-        once it is done. Returns how many tokens it kept."""
+    def _emit(self, req: Request, new_tokens: list[int]):
+        """Appends sampled tokens (a device loop stops a row at its EOS); frees the request once it is done."""
         new_tokens = new_tokens[: req.max_new_tokens - len(req.output)]
-        eos = [j for j, t in enumerate(new_tokens) if t in req.eos_token_ids]
-        if eos:
-            new_tokens = new_tokens[: eos[0] + 1]
         req.output.extend(new_tokens)
         self.stats.tokens_generated += len(new_tokens)
         if req.done:
@@ -306,7 +310,6 @@ class ServingLoop:
             self.running.remove(req)
         elif new_tokens:
             self.mgr.append_token_ids(req.request_id, new_tokens)
-        return len(new_tokens)
 
     def _track_blocks(self):
         for g, n in enumerate(self.blocks_in_use()):

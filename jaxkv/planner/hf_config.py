@@ -29,6 +29,90 @@ DEEPSEEK_SPARSE_MLA_BLOCK_SIZE = 64
 """DeepSeek-V3.2's sparse MLA kernels (FlashMLA) read 64-token blocks."""
 
 
+_GEMMA3_TEXT = dict(
+    vocab_size=262208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    sliding_window=4096,
+    sliding_window_pattern=6,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+)
+TRANSFORMERS_DEFAULTS: dict[str, dict] = {
+    "gemma3_text": _GEMMA3_TEXT,
+    "gemma3": _GEMMA3_TEXT,
+    "gpt_oss": dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        rms_norm_eps=1e-5,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        swiglu_limit=7.0,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        rope_theta=150000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4096,
+        ),
+    ),
+    "qwen3_next": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        partial_rotary_factor=0.25,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+    ),
+}
+"""transformers' config-class defaults of the fields read here (transformers 5.24). Published configs leave
+out what equals them: google/gemma-3-4b-it's text_config names only its sizes, layer count, rope_scaling and
+window."""
+
+
+def text_fields(config_dict: Mapping) -> dict:
+    """The text model's fields of a parsed `config.json`: its `text_config` (multimodal configs) or the config
+    itself, with transformers' defaults (`TRANSFORMERS_DEFAULTS`) for the fields it leaves out."""
+    text = config_dict.get("text_config") or config_dict
+    return {**TRANSFORMERS_DEFAULTS.get(config_dict.get("model_type"), {}), **text}
+
+
 def specs_from_hf_config(config_dict: Mapping, *, dtype="bfloat16", block_size: int | None = None) -> Layers:
     """Layer name → spec (or shared layer's owner name) for a Hugging Face config.
 
@@ -50,8 +134,7 @@ def specs_from_hf_config(config_dict: Mapping, *, dtype="bfloat16", block_size: 
             "num_kv_heads=8, head_size=128, dtype='bfloat16'), 'model.layers.1.self_attn.attn': "
             "jaxkv.SlidingWindowSpec(..., sliding_window=4096), ...}"
         )
-    text = config_dict.get("text_config") or config_dict
-    return builder(_Config(text, model_type), dtype, block_size)
+    return builder(_Config(text_fields(config_dict), model_type), dtype, block_size)
 
 
 class _Config:

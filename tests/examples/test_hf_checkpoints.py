@@ -238,3 +238,73 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does():
     assert w.shape == (1, 32, 2)
     assert w[0, :2, 0].tolist() == [1.0, 2.0] and not w[0, 2:, 0].any()
     assert w[0, 30:, 1].tolist() == [1.5, -1.5] and not w[0, :30, 1].any()
+
+
+def test_published_gemma3_4b_config_reads_with_transformers_defaults():
+    from hf_config import TextConfig
+
+    config = json.loads((EXAMPLES.parent / "tests" / "configs" / "gemma3_4b_it.json").read_text())
+    text = TextConfig.from_hf(config)
+    assert (text.num_heads, text.num_kv_heads, text.head_dim, text.vocab_size) == (8, 4, 256, 262208)
+    assert text.sm_scale == 256**-0.5  # query_pre_attn_scalar's default
+    assert text.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+    full, local = dict(text.rope)["full_attention"], dict(text.rope)["sliding_attention"]
+    assert full.inv_freq[0] == 1 / 8 and local.inv_freq[0] == 1  # linear factor 8 on full layers only
+    assert full.inv_freq[1] == pytest.approx(1e6 ** (-2 / 256) / 8)
+
+
+def test_only_the_text_only_gemma3_applies_the_final_softcap():
+    # transformers' Gemma3ForConditionalGeneration ignores text_config.final_logit_softcapping;
+    # Gemma3ForCausalLM applies it.
+    from hf_config import TextConfig
+
+    multimodal = json.loads((FIXTURES / "gemma3" / "config.json").read_text())
+    multimodal["text_config"]["final_logit_softcapping"] = 30.0
+    assert TextConfig.from_hf(multimodal).final_logit_softcapping is None
+    text_only = json.loads((FIXTURES / "gemma3_text" / "config.json").read_text())
+    assert TextConfig.from_hf(text_only).final_logit_softcapping == 30.0
+
+
+def test_decode_refuses_qwen3_next_checkpoints_with_the_reason():
+    import decode
+
+    with pytest.raises(SystemExit, match=r"qwen3_next is ported .* not yet served through the paged pool"):
+        decode.main(["--checkpoint", str(FIXTURES / "qwen3_next"), "--prompt", "hello"])
+
+
+def _mxfp4(w: np.ndarray):
+    """An independent MXFP4 encoding of w [E, in, out] whose groups of 32 inputs are exact in it: (blocks
+    [E, out, in / 32, 16], scales [E, out, in / 32], the values it encodes [E, in, out])."""
+    fp4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    rows = w.astype(np.float32).transpose(0, 2, 1).reshape(*w.shape[0:1], w.shape[2], -1, 32)
+    exponent = np.ceil(np.log2(np.maximum(np.abs(rows).max(-1, keepdims=True), 1e-30) / 6)).astype(np.int32)
+    codes = np.abs(rows[..., None] / 2.0 ** exponent[..., None] - fp4).argmin(-1).astype(np.uint8)
+    values = fp4[codes] * 2.0**exponent
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = np.ascontiguousarray(exponent[..., 0] + 127, np.uint8)  # safetensors writes strided arrays wrong
+    return blocks, scales, values.reshape(rows.shape[:2] + (-1,)).transpose(0, 2, 1)
+
+
+def test_mxfp4_experts_load_end_to_end(tmp_path):
+    # gpt-oss as published: expert matrices as *_blocks and *_scales in one file.
+    from checkpoint import Weights
+    from safetensors.numpy import save_file
+
+    path = shutil.copytree(FIXTURES / "gpt_oss", tmp_path / "gpt_oss")
+    source = Weights(path)
+    tensors, expected = {}, {}
+    for key in source.files:
+        array = source.read(key)
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales, expected[key] = _mxfp4(array)
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+        else:
+            tensors[key] = array
+    for shard in [*path.glob("model-*.safetensors"), path / "model.safetensors.index.json"]:
+        shard.unlink()
+    save_file(tensors, path / "model.safetensors")
+    weights = Weights(path)
+    for key, values in expected.items():
+        np.testing.assert_array_equal(weights.get(key, values.shape), values)
+    model = _load(path)
+    assert model.layers[0].mlp.gate_up_proj[...].dtype == model.embed_tokens[...].dtype  # one dtype, as stored

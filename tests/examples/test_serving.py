@@ -24,12 +24,14 @@ def test_requests_stop_at_their_first_eos_token():
     free_running = loop.generate(prompts, 12)
     output = free_running[0].output
     assert len(output) == 12
-    # An EOS id that prompt 0 first produces at output index k >= 2 (inside a device loop).
-    k = next(i for i, t in enumerate(output) if i >= 2 and t not in output[:i])
-    stopped = loop.generate(prompts, 12, eos_token_ids=(output[k],))
-    assert stopped[0].output == output[: k + 1]  # the EOS itself is kept, nothing after it
-    assert max(stopped[0].logits) == len(prompts[0]) + k - 1  # no logits recorded past it
-    other = free_running[1].output
-    expected = other[: other.index(output[k]) + 1] if output[k] in other else other
-    assert stopped[1].output == expected
-    assert loop.mgr.num_free_blocks == cfg.num_blocks - 1  # every request was freed
+    # EOS ids that prompt 0 first produces at output index 0 (the host step that ends its prefill)
+    # and at an index k >= 2 (inside a device loop).
+    k_device = next(i for i, t in enumerate(output) if i >= 2 and t not in output[:i])
+    for k in (0, k_device):
+        stopped = loop.generate(prompts, 12, eos_token_ids=(output[k],))
+        assert stopped[0].output == output[: k + 1]  # the EOS itself is kept, nothing after it
+        assert max(stopped[0].logits) == len(prompts[0]) + k - 1  # no logits recorded past it
+        other = free_running[1].output
+        expected = other[: other.index(output[k]) + 1] if output[k] in other else other
+        assert stopped[1].output == expected
+        assert loop.mgr.num_free_blocks == cfg.num_blocks - 1  # every request was freed

@@ -34,6 +34,15 @@ def kinds(layers):
     )
 
 
+def test_gemma3_4b_config_leaves_transformers_defaults_out():
+    # The published text_config names only sizes, layer count, rope_scaling and window: heads, head_dim
+    # and the layer pattern are transformers' defaults (8 heads, 4 KV heads, head_dim 256, every sixth full).
+    layers = specs_from_hf_config(load("gemma3_4b_it"))
+    assert kinds(layers) == {("SlidingWindowSpec", 1024): 29, ("FullAttentionSpec", None): 5}
+    spec = layers["model.layers.5.self_attn.attn"]
+    assert (type(spec), spec.num_kv_heads, spec.head_size) == (FullAttentionSpec, 4, 256)
+
+
 def test_gemma3_27b_every_sixth_layer_is_full():
     layers = specs_from_hf_config(load("gemma3_27b"))
     assert kinds(layers) == {("SlidingWindowSpec", 1024): 52, ("FullAttentionSpec", None): 10}
@@ -48,7 +57,7 @@ def test_gemma3_text_reads_layer_types():
               "sliding_window": 512, "layer_types": types}  # fmt: skip
     layers = specs_from_hf_config(config)
     assert [type(s) for s in layers.values()] == [SlidingWindowSpec, FullAttentionSpec] * 2
-    assert layers["model.layers.0.self_attn.attn"].head_size == 128  # hidden_size // num_attention_heads
+    assert layers["model.layers.0.self_attn.attn"].head_size == 256  # transformers' default head_dim, not 512 // 4
 
 
 def test_gpt_oss_alternates_sliding_and_full():
