@@ -79,10 +79,11 @@ def figure(pattern: str, stdout: str) -> int:
     return int(re.search(pattern, stdout).group(1))
 
 
-def test_gemma3_served_logits_equal_transformers(tmp_path):
-    ref = load_reference("gemma3_text")
-    stdout, served = serve("gemma3_text", tmp_path, [r["prompt"].tolist() for r in ref], 12, 54, "--dtype", "float32")
-    assert_served_as_transformers("gemma3_text", stdout, served)
+@pytest.mark.parametrize("name", ["gemma3_text", "gemma3"])
+def test_gemma3_served_logits_equal_transformers(name, tmp_path):
+    ref = load_reference(name)
+    stdout, served = serve(name, tmp_path, [r["prompt"].tolist() for r in ref], 12, 54, "--dtype", "float32")
+    assert_served_as_transformers(name, stdout, served)
 
 
 def test_gpt_oss_text_prompts_served_over_two_devices(tmp_path):
