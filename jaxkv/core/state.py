@@ -308,7 +308,10 @@ def _forget_rows(state: ManagerState, req_slots, rules: GroupRules):
     group = jnp.arange(shape[0])[None, :]
     first_block = state.block_tables[group, slots[:, None], jnp.minimum(start, shape[2] - 1)]
     last_block = state.block_tables[group, slots[:, None], jnp.minimum(start + stride, shape[2] - 1)]
-    state_blocks = (count > 0) * (first_block != NULL_BLOCK) + (count > 1) * (last_block != NULL_BLOCK)
+    # int32: a sum of two bool arrays would be their OR, and a state group's two blocks would count as one.
+    state_blocks = ((count > 0) & (first_block != NULL_BLOCK)).astype(jnp.int32) + (
+        (count > 1) & (last_block != NULL_BLOCK)
+    ).astype(jnp.int32)
     num_blocks = jnp.sum(jnp.where(rules.kind == MAMBA, state_blocks, count))
     ranges = _table_ranges(shape, slots, start, count, stride)
     state = dataclasses.replace(

@@ -238,6 +238,23 @@ def test_full_sequence_must_fit_gate():
     assert int(state.pool.num_free_blocks) == 7
 
 
+def test_a_freed_state_group_counts_both_its_blocks_for_the_gate():
+    # Found by the random sequences: a request freed in the call of a must-fit admission releases both
+    # blocks its state group holds (the state at a block end and the current one), and the gate counts
+    # both. Summed as bools they counted as one, and an admission that fits exactly was refused.
+    cfg, chunk_sizes = CASES["hybrid_all_kinds"]
+    state = ms.init_state(cfg, NUM_SLOTS)
+    state, _ = ms.allocate(state, _pad([0], NUM_SLOTS), _pad([1], 0), cfg=cfg, chunk_sizes=chunk_sizes)
+    state, _ = ms.allocate(state, _pad([0], NUM_SLOTS), _pad([2], 0), cfg=cfg, chunk_sizes=chunk_sizes)
+    assert int(state.pool.num_free_blocks) == 15  # slot 0 holds 2 blocks in each of the 4 groups
+    # 17 tokens need 9 + 7 + 6 + 1 = 23 blocks (each group's cap): all 23 once slot 0 is freed.
+    state, result = ms.allocate(
+        state, _pad([1], NUM_SLOTS), _pad([0], 0), _pad([17], 0), _pad([0], NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes
+    )
+    assert np.asarray(result.ok).tolist() == [True, False, False, False]
+    check_invariants(cfg, state)
+
+
 def test_padding_rows_change_nothing():
     cfg = make_cfg(10, full(2), sliding(2, 4))
     state = ms.init_state(cfg, 2)
