@@ -5,8 +5,10 @@ check it against a cache-free forward pass.
     python examples/decode.py --check         # also compare every logit with a dense forward pass
     python examples/decode.py --check --tp 4  # the same, the cache and kernels sharded over 4 devices
 
-    # A Gemma 3 or gpt-oss checkpoint directory (config.json, model.safetensors, tokenizer.json):
+    # A Gemma 3, gpt-oss or Qwen3-Next checkpoint directory (config.json, model.safetensors, tokenizer.json):
     python examples/decode.py --checkpoint DIR --prompt "Why is the sky blue?" --max-new-tokens 64
+    # Qwen3-Next's state layers enlarge the blocks; a finer unit lets hits end inside one:
+    python examples/decode.py --checkpoint DIR --prompt-tokens prompts.json --prefix-match-unit 8
     # Token ids in, greedy tokens and every computed logit out (row p predicts token p + 1):
     python examples/decode.py --checkpoint DIR --prompt-tokens prompts.json --ignore-eos --logits-out out.npz
 
@@ -29,7 +31,9 @@ import sys
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", metavar="DIR", help="serve this Hugging Face checkpoint (Gemma 3, gpt-oss)")
+    p.add_argument(
+        "--checkpoint", metavar="DIR", help="serve this Hugging Face checkpoint (Gemma 3, gpt-oss, Qwen3-Next)"
+    )
     given = p.add_mutually_exclusive_group()
     given.add_argument("--prompt", action="append", help="a prompt's text (with --checkpoint); repeat for more")
     given.add_argument("--prompt-tokens", metavar="FILE.json", help="prompts as token ids: a JSON list of lists")
@@ -52,6 +56,11 @@ def parse_args(argv=None):
         type=int,
         help="KV pool size, null block included (default: 100 for the toy model; with --checkpoint, enough for "
         "--max-num-seqs requests at once)",
+    )
+    p.add_argument(
+        "--prefix-match-unit",
+        type=int,
+        help="tokens per prefix-cache hash unit (default: the block size); finer lets hits end inside a block",
     )
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=64)
@@ -149,11 +158,8 @@ def main(argv=None) -> int:
         from checkpoint import load_model, open_checkpoint
 
         checkpoint = open_checkpoint(args.checkpoint)
-        if checkpoint.text.model_type == "qwen3_next":
-            raise SystemExit(
-                f"{args.checkpoint}: qwen3_next is ported (examples/qwen3_next.py: dense and chunked passes) but "
-                "not yet served through the paged pool (issue 16); Gemma 3 and gpt-oss are"
-            )
+        if checkpoint.text.model_type == "qwen3_next" and args.tp > 1:
+            raise SystemExit(f"{args.checkpoint}: the Qwen3-Next example runs on one device; drop --tp {args.tp}")
         model = load_model(checkpoint, args.dtype)
         specs = jaxkv.specs_from_hf_config(
             checkpoint.config, dtype=model.embed_tokens[...].dtype, block_size=args.block_size
@@ -192,6 +198,7 @@ def main(argv=None) -> int:
         decode_steps=args.decode_steps,
         record_logits=args.check or args.logits_out is not None,
         mesh=mesh,
+        prefix_match_unit=args.prefix_match_unit,
     )
     requests = loop.generate(prompts, args.max_new_tokens, eos_token_ids, progress=True)
     s = loop.stats
@@ -212,7 +219,8 @@ def main(argv=None) -> int:
     )
     print(
         f"engine steps: {s.steps} ({s.device_loops} on-device loops of {args.decode_steps} decode steps), "
-        f"preemptions: {s.preemptions}, allocation programs (work signatures): {len(loop.mgr.step_variants)}"
+        f"preemptions: {s.preemptions}, block copies: {s.block_copies}, "
+        f"allocation programs (work signatures): {len(loop.mgr.step_variants)}"
     )
     print(
         f"prefix-hit rate: {s.prefix_hit_tokens}/{s.prompt_tokens} prompt tokens "
@@ -222,20 +230,19 @@ def main(argv=None) -> int:
         "peak KV blocks in use per group: "
         + ", ".join(f"{g.describe()}×{len(g.layer_names)}: {n}" for g, n in zip(kv_cfg.groups, s.peak_blocks_per_group))
     )
-    page = next(iter(specs.values())).page_size_bytes
-    all_full_bytes = len(specs) * jaxkv.cdiv(max_model_len, args.block_size) * page
-    if full is None:
-        versus = "an all-full-attention cache in the same memory could not hold one request"
-    else:
-        versus = (
-            f"against {full.capacity_tokens} with an all-full-attention cache in the same memory "
-            f"({kv_cfg.capacity_tokens / full.capacity_tokens:.2f}×)"
-        )
-    print(
+    line = (
         f"KV cache: {kv_cfg.num_blocks} blocks of {kv_cfg.bytes_per_block} B; holds {kv_cfg.capacity_tokens} tokens "
-        f"of {max_model_len}-token requests, {versus}; bytes per {max_model_len}-token request: "
-        f"{kv_cfg.bytes_per_request(max_model_len):,} vs {all_full_bytes:,} all-full"
+        f"of {max_model_len}-token requests, {kv_cfg.bytes_per_request(max_model_len):,} B per request"
     )
+    if full is not None:
+        line += (
+            f"; an all-full-attention cache in the same memory holds {full.capacity_tokens} "
+            f"({kv_cfg.capacity_tokens / full.capacity_tokens:.2f}×), {full.bytes_per_request(max_model_len):,} B "
+            "per request"
+        )
+    elif any(g.kind in ("sliding_window", "chunked_local") for g in kv_cfg.groups):
+        line += "; an all-full-attention cache in the same memory could not hold one request"
+    print(line)
     if checkpoint is not None:
         for r in requests:
             print(f"[{r.request_id}] {checkpoint.decode(r.prompt)!r} -> {checkpoint.decode(r.output)!r}")

@@ -32,13 +32,16 @@ from jax import lax
 CHUNK_SIZE = 64  # transformers' torch_chunk_gated_delta_rule
 
 
-def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Depthwise causal conv and SiLU. x [T, C], weight [C, W], conv_state [W - 1, C] -> (y [T, C], conv_state')."""
+def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array, length=None) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv and SiLU. x [T, C], weight [C, W], conv_state [W - 1, C] -> (y [T, C], conv_state').
+    `length` (an int32 scalar, default T): only x[:length] are real; conv_state' holds the last W − 1 inputs
+    before it."""
     width, t = weight.shape[-1], x.shape[0]
     full = jnp.concatenate([conv_state.astype(jnp.float32), x.astype(jnp.float32)])  # [W - 1 + T, C]
     w32 = weight.astype(jnp.float32)
     y = sum(full[j : j + t] * w32[:, j] for j in range(width))  # PyTorch's conv1d is a cross-correlation
-    return jax.nn.silu(y).astype(x.dtype), full[t:].astype(conv_state.dtype)
+    state = full[t:] if length is None else lax.dynamic_slice_in_dim(full, length, width - 1)
+    return jax.nn.silu(y).astype(x.dtype), state.astype(conv_state.dtype)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -164,12 +167,17 @@ class GatedDeltaNet(nnx.Module):
         """o [T, Hv, dv] float32, z [T, Hv, dv] -> [T, D]."""
         return self.out_proj(self.norm(o.astype(dtype), z).reshape(o.shape[0], -1))
 
-    def prefill(self, x, conv_state, recurrent_state, chunk_size: int = CHUNK_SIZE):
+    def prefill(self, x, conv_state, recurrent_state, length=None, chunk_size: int = CHUNK_SIZE):
         """x [T, D] of one request, its conv_state [W - 1, C] and recurrent_state [Hv, dv, dk] before the first
-        token -> (y [T, D], conv_state', recurrent_state'), the states in their input dtypes."""
+        token -> (y [T, D], conv_state', recurrent_state'), the states in their input dtypes. `length` (an int32
+        scalar, default T): only x[:length] are the request's; the rest is padding (g = β = 0 there: the
+        rule leaves S as it is), whose outputs are meaningless."""
         mixed, z, b, a = self._project(x)
-        mixed, conv_state = causal_conv1d(mixed, self.conv1d.weight[...][:, 0], conv_state)
+        mixed, conv_state = causal_conv1d(mixed, self.conv1d.weight[...][:, 0], conv_state, length)
         q, k, v, g, beta = self._rule_inputs(mixed, b, a)
+        if length is not None:
+            real = (jnp.arange(x.shape[0]) < length)[:, None]
+            g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
         o, state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state.astype(jnp.float32), chunk_size)
         return self._output(o, z, x.dtype), conv_state, state.astype(recurrent_state.dtype)
 

@@ -8,9 +8,18 @@ Parameters keep the checkpoint's names (`checkpoint.load_model`), except the rou
 `mlp.experts.{j}.{gate,up,down}_proj.weight` per expert; the model stacks them, as transformers does, into
 `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (here in the x @ w layout `lax.ragged_dot` takes).
 
-Passes: `forward_dense` (no cache) and `forward_chunk` (a chunk of one request from a cache that holds, per
+Passes: `forward_dense` (no cache); `forward_chunk` (a chunk of one request from a cache that holds, per
 linear-attention layer, its conv and recurrent states, and per attention layer a contiguous K/V buffer: the
-shapes the paged pool will hold, without the pool). One-token chunks decode with the recurrent rule.
+shapes the paged pool holds, without the pool); `forward_paged` (a ragged batch through jaxkv's pool, see
+`paged_linear_attention`). One-token chunks decode with the recurrent rule.
+
+In the pool (a plan of `jaxkv.specs_from_hf_config`: one state group per linear-attention layer, one
+full-attention group, all of one block size b, held as a byte buffer) a request with n computed tokens keeps
+a layer's state in the block of its last token, table index (n − 1) // b. A step of k tokens reads the state
+at index (n − 1) // b (zeros when n = 0) and writes the state after its tokens at (n + k − 1) // b: the same
+block, or the fresh one the manager gave. After a prefix hit of h tokens the table holds, at (h − 1) // b, the
+cached block of the state after h tokens (read-only) or a fresh block to which the caller copied it
+(`KVCacheManager.take_block_copies`, `jaxkv.copy_blocks`) before the step.
 
 Where the math departs from the obvious, it follows transformers:
 - Qwen3-Next's RMSNorm scales by (1 + w) in float32 (the weights are stored zero-centred), q_norm and k_norm too;
@@ -37,7 +46,9 @@ from hf_config import default_inv_freq
 from hf_model import Linear, RMSNorm, rope
 from jax import lax
 
+import jaxkv
 from jaxkv.planner.hf_config import text_fields
+from pallas_kernels.paged_attention import paged_attention
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -203,6 +214,78 @@ class GatedAttention(nnx.Module):
         return self.output(out, gate), (k_all, v_all)
 
 
+def paged_gated_attention(attn: GatedAttention, x, cache, meta: jaxkv.StepMetadata, name: str):
+    """x [T, D] packed as `meta` packs the rows -> (y [T, D], cache'): writes the step's K/V rows into the byte
+    buffer at the layer's slots (`jaxkv.write_rows`) and attends through its group's block table
+    (`paged_attention` on the layer's typed view, which XLA computes from the bytes: a copy of the view)."""
+    cfg = meta.cfg
+    tensor_idx, layer_idx = jaxkv.find_layer(cfg, name)
+    view = cfg.tensors[tensor_idx]
+    q, k, v, gate = attn.project(x, meta.positions)
+    rows = jnp.concatenate([k, v], axis=-1).astype(view.spec.dtype)  # [T, K, 2H]
+    cache = jaxkv.write_rows(cache, rows, meta.slot_mapping[view.group_idx], layer_idx, cfg=cfg, tensor_idx=tensor_idx)
+    out = paged_attention(
+        q.astype(view.spec.dtype),
+        jaxkv.typed_view(cache, cfg, tensor_idx),
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables[view.group_idx],
+        layer_idx,
+        sm_scale=attn.cfg.head_dim**-0.5,
+        layout=cfg.layout,
+    )
+    return attn.output(out.astype(x.dtype), gate), cache
+
+
+def state_blocks(meta: jaxkv.StepMetadata, group_idx: int):
+    """Per row (R): (src, dst, fresh): the block holding the state before the step (NULL_BLOCK when
+    `fresh`: nothing computed yet, the state is zero), the block that takes the state after it (−1: the
+    row has no tokens, nothing is written). See the module docstring."""
+    block_size = meta.cfg.groups[group_idx].spec.block_size
+    num_new = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    start, end = meta.seq_lens - num_new, meta.seq_lens
+    table = meta.block_tables[group_idx]  # [R, M]
+    rows = jnp.arange(table.shape[0])
+    src = jnp.where(start > 0, table[rows, jnp.maximum(start - 1, 0) // block_size], jaxkv.NULL_BLOCK)
+    dst = jnp.where(num_new > 0, table[rows, jnp.maximum(end - 1, 0) // block_size], -1)
+    return src, dst, start == 0
+
+
+def paged_linear_attention(layer: GatedDeltaNet, x, cache, meta: jaxkv.StepMetadata, name: str):
+    """x [T, D] packed as `meta` packs the rows -> (y [T, D], cache'): each row's conv and recurrent states
+    read from its state block, stepped over its tokens, written to the block that holds them next
+    (`state_blocks`). A step whose rows have at most one token each (decode) runs the recurrent rule, any
+    other the chunked rule per row (the rows' tokens gathered into [R, T], padded)."""
+    cfg = meta.cfg
+    tensor_idx, layer_idx = jaxkv.find_layer(cfg, name)
+    view = cfg.tensors[tensor_idx]
+    conv_field, rec_field = jaxkv.state_fields(view.spec)
+    src, dst, fresh = state_blocks(meta, view.group_idx)
+    states = []
+    for field in (conv_field, rec_field):  # [R, ...], zero for a row with nothing computed
+        state = jaxkv.read_rows(cache, src, layer_idx, cfg=cfg, tensor_idx=tensor_idx, field=field)[:, 0]
+        states.append(jnp.where(fresh.reshape(-1, *[1] * (state.ndim - 1)), 0, state))
+    num_tokens = x.shape[0]
+    first = meta.query_start_loc[:-1]
+    num_new = meta.query_start_loc[1:] - first
+
+    def decode(conv, rec):
+        y, conv, rec = jax.vmap(layer.step)(x[jnp.minimum(first, num_tokens - 1)], conv, rec)
+        return jnp.zeros_like(x).at[jnp.where(num_new > 0, first, num_tokens)].set(y, mode="drop"), conv, rec
+
+    def prefill(conv, rec):
+        idx = first[:, None] + jnp.arange(num_tokens)[None, :]  # [R, T]
+        real = jnp.arange(num_tokens)[None, :] < num_new[:, None]
+        y, conv, rec = jax.vmap(layer.prefill)(x[jnp.minimum(idx, num_tokens - 1)], conv, rec, num_new)
+        return jnp.zeros_like(x).at[jnp.where(real, idx, num_tokens)].set(y, mode="drop"), conv, rec
+
+    y, *states = lax.cond(jnp.max(num_new) <= 1, decode, prefill, *states)
+    for field, state in zip((conv_field, rec_field), states):
+        rows = state[:, None].astype(field.dtype)  # [R, 1, ...]: a state view has one "head"
+        cache = jaxkv.write_rows(cache, rows, dst, layer_idx, cfg=cfg, tensor_idx=tensor_idx, field=field)
+    return y, cache
+
+
 class MLP(nnx.Module):
     """down(silu(gate(x)) · up(x)): the shared expert."""
 
@@ -285,6 +368,8 @@ class DecoderLayer(nnx.Module):
 class Decoder(nnx.Module):
     """A Qwen3-Next decoder from a checkpoint's tensors (`checkpoint.load_model`)."""
 
+    typed_cache = False  # forward_paged reads the plan's byte buffer (state pages beside K/V pages)
+
     def __init__(self, cfg: Qwen3NextConfig, w):
         """`w(name, shape)` gives the checkpoint tensor `name`, checked against `shape`."""
         self.cfg = cfg
@@ -323,6 +408,21 @@ class Decoder(nnx.Module):
             else (jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype))
             for layer in self.layers
         )
+
+    def forward_paged(self, tokens, cache, meta: jaxkv.StepMetadata, mesh=None):
+        """tokens [T] (packed as `meta` packs them), cache (the plan's byte buffer, `jaxkv.allocate_cache`)
+        -> (logits [T, V], cache'); every layer named as `jaxkv.specs_from_hf_config` names it."""
+        if mesh is not None:
+            raise ValueError("the Qwen3-Next example runs on one device (no --tp): its state layers are not sharded")
+        x = self.embed_tokens[...][tokens]
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            if layer.layer_type == "linear_attention":
+                h, cache = paged_linear_attention(layer.linear_attn, h, cache, meta, f"model.layers.{i}.linear_attn")
+            else:
+                h, cache = paged_gated_attention(layer.self_attn, h, cache, meta, f"model.layers.{i}.self_attn.attn")
+            x = layer.mlp_residual(x + h)
+        return self.logits(x), cache
 
     def forward_chunk(self, tokens: jax.Array, start, cache):
         """tokens [T] of one request at positions start.. (an int, or an int32 scalar that may be traced), cache

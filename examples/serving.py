@@ -10,10 +10,15 @@ One engine step, on the host (the scheduler of ../shared/workloads/serving-workl
      preempted (freed; it resumes later by recomputing, helped by the prefix cache);
   2. if nothing was preempted, waiting requests are admitted with their
      prefix-cache hit claimed;
-  3. one jitted model step takes the step's `jaxkv.StepMetadata` (`mgr.step_metadata`):
-     each layer's `jaxkv.attend` writes the new K/V and attends through its group's
-     block table, and the requests whose tokens are all computed sample their next
-     token (greedy).
+  3. the block copies the allocations made (hits inside a block) are applied
+     (`jaxkv.copy_blocks`); one jitted model step takes the step's `jaxkv.StepMetadata`
+     (`mgr.step_metadata`): each layer's `jaxkv.attend` writes the new K/V and attends
+     through its group's block table, and the requests whose tokens are all computed
+     sample their next token (greedy); the manager is told the step ran
+     (`mgr.mark_computed`), so that the states it wrote may be cached.
+With state (Mamba / linear-attention) groups, prefill chunks end at block ends
+and at the prompt tail's final hash-unit boundary (vLLM's "align" mode), where the
+manager saves a state that later requests can resume from.
 When every running request is decoding and nobody waits, `decode_steps`
 decode steps run in one jitted `lax.scan`, allocation included: the
 manager's pure transitions run on the device between model steps, and
@@ -36,6 +41,7 @@ from sharding import cache_sharding, out_shardings
 import jaxkv
 from jaxkv.core import state as st
 from jaxkv.manager import KVCacheManager
+from jaxkv.prefix.state import partial_groups
 
 
 @dataclasses.dataclass
@@ -46,6 +52,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # the request ends after producing one of these
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V is in the cache (0 while waiting)
+    num_added: int = 0  # tokens given to the manager at admission (its prompt: the tail's state is saved)
     num_preemptions: int = 0
     logits: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # position -> logits [V]
 
@@ -67,6 +74,7 @@ class Stats:
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    block_copies: int = 0
     peak_blocks_per_group: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
@@ -76,20 +84,38 @@ def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata)
     return model.forward_paged(tokens, cache, meta, mesh)
 
 
-def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_slots, next_token, remaining, eos):
+def _decode_loop(
+    graphdef, mesh, kv_cfg, prefix, copies, num_steps, params, cache, state, req_slots, next_token, remaining, eos
+):
     """N decode steps on device: allocate one token per row, write and attend, sample; repeat.
 
     req_slots int32[R] (S = padding), next_token int32[R] (the token each row computes next),
     remaining int32[R] (tokens each row may still produce), eos int32[R, E] (each row's EOS ids, -1 padding: a
-    row stops after producing one). Returns the state, the cache,
-    produced bool[N, R], tokens int32[N, R] and logits float32[N, R, V].
+    row stops after producing one). With `copies` (static: hits may end inside a block), the block copies an
+    allocation makes (a row whose last step ended at its prompt tail moves to a copy of its state) are applied
+    before the step's forward pass and released by the next allocation. Returns the state, the cache,
+    produced bool[N, R], tokens int32[N, R], logits float32[N, R, V] and the destinations int32[R G] of the
+    last step's copies, still pinned.
     """
     row = req_slots < state.num_computed.shape[0]
+    num_groups = len(kv_cfg.groups)
 
     def step(carry, s):
-        state, cache, token, stopped = carry
+        state, cache, token, stopped, pinned = carry
         wanted = row & (s < remaining) & ~stopped
-        state, result = st.allocate(state, req_slots, wanted.astype(jnp.int32), cfg=kv_cfg)
+        state, result = st.allocate(
+            state,
+            req_slots,
+            wanted.astype(jnp.int32),
+            cfg=kv_cfg,
+            prefix=prefix,
+            released_copies=pinned if copies else None,
+        )
+        if copies:
+            made = result.copies.reshape(-1, 3)
+            apply = jnp.any(made[:, 1] != jaxkv.NULL_BLOCK).astype(jnp.int32)  # a loop of 0 or 1 steps, in place
+            cache = jax.lax.fori_loop(0, apply, lambda _, c: jaxkv.copy_blocks(c, made, cfg=kv_cfg), cache)
+            pinned = made[:, 1]
         produced = result.ok & wanted
         meta = jaxkv.step_metadata(
             state, req_slots, produced.astype(jnp.int32), cfg=kv_cfg, num_tokens=req_slots.shape[0]
@@ -101,17 +127,20 @@ def _decode_loop(graphdef, mesh, kv_cfg, num_steps, params, cache, state, req_sl
         logits = logits[meta.query_start_loc[:-1]]
         token = jnp.where(produced, jnp.argmax(logits, axis=-1).astype(jnp.int32), token)
         stopped = stopped | (produced & (token[:, None] == eos).any(axis=1))
-        return (state, cache, token, stopped), (produced, token, logits)
+        return (state, cache, token, stopped, pinned), (produced, token, logits)
 
-    (state, cache, _, _), (produced, tokens, logits) = jax.lax.scan(
-        step, (state, cache, next_token, jnp.zeros_like(row)), jnp.arange(num_steps)
+    pinned = jnp.zeros(req_slots.shape[0] * num_groups, jnp.int32)
+    (state, cache, _, _, pinned), (produced, tokens, logits) = jax.lax.scan(
+        step, (state, cache, next_token, jnp.zeros_like(row), pinned), jnp.arange(num_steps)
     )
-    return state, cache, produced, tokens, logits
+    return state, cache, produced, tokens, logits, pinned
 
 
 class ServingLoop:
-    """Serves a decoder (model.py's toy, or a checkpoint's from hf_model.py) over a jaxkv plan: continuous
-    batching, chunked prefill, prefix reuse, preemption and resumption, and on-device multi-step decode."""
+    """Serves a decoder (model.py's toy, or a checkpoint's from hf_model.py or qwen3_next.py) over a jaxkv plan:
+    continuous batching, chunked prefill, prefix reuse (at `prefix_match_unit`, default the block size),
+    preemption and resumption, and on-device multi-step decode. A model that reads a plan held as bytes (not
+    typed: state layers beside attention) says so with `typed_cache = False`."""
 
     def __init__(
         self,
@@ -123,15 +152,21 @@ class ServingLoop:
         decode_steps: int = 8,
         record_logits: bool = False,
         mesh: jax.sharding.Mesh | None = None,
+        prefix_match_unit: int | None = None,
     ):
         self.kv_cfg = kv_cfg
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_steps = decode_steps
         self.record_logits = record_logits
-        if not jaxkv.is_typed(kv_cfg):
+        if not jaxkv.is_typed(kv_cfg) and getattr(model, "typed_cache", True):
             raise ValueError("the example model needs a typed cache (every layer the same page shape)")
-        self.mgr = KVCacheManager(kv_cfg, max_num_seqs=max_num_seqs, enable_prefix_caching=True)
+        self.mgr = KVCacheManager(
+            kv_cfg, max_num_seqs=max_num_seqs, enable_prefix_caching=True, prefix_match_unit=prefix_match_unit
+        )
+        # Align chunks to the state groups' blocks (all groups of such a plan have one block size).
+        state_groups = [g for g in kv_cfg.groups if isinstance(g.spec, jaxkv.MambaSpec)]
+        self.align = state_groups[0].block_size if state_groups else None
         spec = jaxkv.buffer_spec(kv_cfg)
         self.cache = jnp.zeros(spec.shape, spec.dtype, device=cache_sharding(mesh))
         graphdef, self.params = nnx.split(model)
@@ -140,10 +175,11 @@ class ServingLoop:
             donate_argnums=(1,),
             **out_shardings(mesh, "replicated", "cache"),
         )
-        self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits
-            functools.partial(_decode_loop, graphdef, mesh, kv_cfg, decode_steps),
+        copies = bool(partial_groups(kv_cfg, self.mgr.prefix_config))  # hits may end inside a block
+        self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits, pinned copies
+            functools.partial(_decode_loop, graphdef, mesh, kv_cfg, self.mgr.prefix_config, copies, decode_steps),
             donate_argnums=(1, 2),
-            **out_shardings(mesh, "replicated", "cache", "replicated", "replicated", "replicated"),
+            **out_shardings(mesh, "replicated", "cache", "replicated", "replicated", "replicated", "replicated"),
         )
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
@@ -202,7 +238,7 @@ class ServingLoop:
         while rows and budget > 0:
             asks, left = [], budget
             for req in rows:
-                asks.append(min(len(req.tokens) - req.num_computed, left))
+                asks.append(self._chunk(req, req.num_computed, left))
                 left -= asks[-1]
             ok = self.mgr.allocate_slots_batch([r.request_id for r in rows], asks)
             num_ok = len(ok) if ok.all() else int(np.argmin(ok))
@@ -222,7 +258,8 @@ class ServingLoop:
             req = self.waiting[0]
             self.mgr.add_request(req.request_id, req.tokens)
             hit = self.mgr.get_computed_tokens(req.request_id)
-            k = min(len(req.tokens) - hit, budget)
+            req.num_added = len(req.tokens)
+            k = self._chunk(req, hit, budget)
             if not self.mgr.allocate_slots_batch([req.request_id], [k], [hit], full_sequence_must_fit=True)[0]:
                 self.mgr.free(req.request_id)
                 break
@@ -235,6 +272,19 @@ class ServingLoop:
             budget -= k
         if scheduled:
             self._run_model(scheduled)
+
+    def _chunk(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens of `req` to compute next, from `num_computed`, within `budget`: with state groups, a prefill
+        chunk ends at the next block end, or earlier at the prompt tail's final unit boundary (where the
+        manager saves the state: `jaxkv.prefix.tails`)."""
+        end = min(len(req.tokens), num_computed + budget)
+        if self.align is not None and end - num_computed > 1:
+            end = min(end, (num_computed // self.align + 1) * self.align)
+            unit = self.mgr.prefix_config.unit
+            tail = (req.num_added - 1) // unit * unit
+            if num_computed < tail < end:
+                end = tail
+        return end - num_computed
 
     def _preempt(self, req: Request):
         self.mgr.free(req.request_id)
@@ -250,10 +300,15 @@ class ServingLoop:
         for req, k in scheduled:
             tokens[t : t + k] = req.tokens[req.num_computed : req.num_computed + k]
             t += k
-        meta = self.mgr.step_metadata(
-            [req.request_id for req, _ in scheduled], [k for _, k in scheduled], num_tokens=self.max_num_batched_tokens
-        )
+        copies = self.mgr.take_block_copies()
+        if len(copies):  # padded to a multiple of 8 rows (NULL_BLOCK copies nothing): few compilations
+            copies = np.pad(copies, ((0, -len(copies) % 8), (0, 0)))
+            self.cache = jaxkv.copy_blocks(self.cache, copies, cfg=self.kv_cfg)
+            self.stats.block_copies += int((copies[:, 1] != jaxkv.NULL_BLOCK).sum())
+        rids = [req.request_id for req, _ in scheduled]
+        meta = self.mgr.step_metadata(rids, [k for _, k in scheduled], num_tokens=self.max_num_batched_tokens)
         logits, self.cache = self._model_step(self.params, self.cache, tokens, meta)
+        self.mgr.mark_computed(rids)
         logits = np.asarray(logits)
         self.stats.steps += 1
         self.stats.tokens_computed += t
@@ -280,12 +335,13 @@ class ServingLoop:
         eos = np.full((num_rows, max(1, *(len(r.eos_token_ids) for r in self.running))), -1, np.int32)
         for i, r in enumerate(self.running):
             eos[i, : len(r.eos_token_ids)] = r.eos_token_ids
-        state, self.cache, produced, tokens, logits = self._decode_loop(
+        state, self.cache, produced, tokens, logits, pinned = self._decode_loop(
             self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining, eos
         )
-        produced, tokens = np.asarray(produced), np.asarray(tokens)
+        produced, tokens, pinned = np.asarray(produced), np.asarray(tokens), np.asarray(pinned)
         logits = np.asarray(logits) if self.record_logits else None
-        self.mgr.adopt_state(state, [r.request_id for r in self.running])
+        self.mgr.adopt_state(state, [r.request_id for r in self.running], pinned_copies=pinned)
+        self.stats.block_copies += int((pinned != jaxkv.NULL_BLOCK).sum())
         self.stats.device_loops += 1
         self.stats.steps += self.decode_steps
         stalled = False

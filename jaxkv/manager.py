@@ -53,7 +53,7 @@ from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepBatch, StepWork, allocate_step, walk_units
 from jaxkv.metadata import StepMetadata, step_metadata
 from jaxkv.planner.config import KVCacheConfig
-from jaxkv.planner.specs import cdiv
+from jaxkv.planner.specs import NULL_BLOCK, cdiv
 from jaxkv.prefix.hashing import HashMode, UnitHasher, digests_to_keys
 from jaxkv.prefix.state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
 
@@ -78,9 +78,10 @@ def _walk_size(num_entries: int) -> int | None:
     return next((size for size in _WALK_SIZES if num_entries <= size), None)
 
 
-def _allocate_packed(state, rows, slot_counts, free_slots, uploads, released=None, *, cfg, prefix, work):
+def _allocate_packed(state, rows, slot_counts, free_rows, uploads, released=None, *, cfg, prefix, work):
     """`step.allocate_step` with the row arrays packed as int32[5, R] (slots, new tokens, full tokens, hit
-    tokens, shared tokens; with `released` copies, a sixth row: prompt tokens) and the result packed as
+    tokens, shared tokens; with `released` copies, a sixth row: prompt tokens), the requests to free as
+    int32[F] slots (their steps ran) or int32[2, F] (slots, tokens written) or None, and the result packed as
     int32[R + 3 + 2 R G] (ok flags, num_free_blocks, hit tokens claimed, unplanned entries, the rows' first
     live indices and cached blocks [R, G]; with `released`, then the copies int32[R × G × 3]): one argument
     and one transfer instead of several."""
@@ -92,7 +93,8 @@ def _allocate_packed(state, rows, slot_counts, free_slots, uploads, released=Non
         num_hit_tokens=rows[3] if caching else None,
         num_shared_tokens=rows[4] if caching else None,
         num_prompt_tokens=None if released is None else rows[5],
-        free_slots=free_slots,
+        free_slots=free_rows if free_rows is None or free_rows.ndim == 1 else free_rows[0],
+        free_num_written=free_rows[1] if caching and free_rows is not None and free_rows.ndim == 2 else None,
         hash_uploads=uploads,
         released_copies=released,
         slot_counts=slot_counts,
@@ -227,8 +229,12 @@ class KVCacheManager:
         self._token_ids: list[list[int] | None] = [None] * self.max_num_seqs
         self._num_tokens = np.zeros(self.max_num_seqs, np.int64)
         self._num_computed = np.zeros(self.max_num_seqs, np.int64)  # host mirror of the device's counts
+        # Tokens a forward pass is known to have written: up to the last `mark_computed`, or to the start of
+        # the request's last allocation (a later call says the earlier ones' steps ran).
+        self._num_written = np.zeros(self.max_num_seqs, np.int64)
         self._num_free_blocks: int | None = cfg.num_blocks - 1  # None: read from the device state
         self._pending_free: list[int] = []  # slots freed on the host, not yet on the device
+        self._pending_written: list[int] = []  # their tokens written (`_num_written`)
         # Host mirror of the device state, for the steps' work signatures (`_plan_step`):
         self._rules = st.group_rules(cfg)
         self._first_live = np.zeros((self.max_num_seqs, len(cfg.groups)), np.int64)
@@ -300,6 +306,7 @@ class KVCacheManager:
         self._num_tokens[slot] = len(token_ids)
         self._num_prompt[slot] = len(token_ids)
         self._num_computed[slot] = 0
+        self._num_written[slot] = 0
         self._shared_len[slot] = 0
         if self.prefix_config is not None:
             if unit_hasher is None:
@@ -347,7 +354,8 @@ class KVCacheManager:
         return packed[: len(slots)].astype(np.int64)
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
-        """Records tokens the model produced for the request."""
+        """Records tokens the model produced for the request: the step that produced them ran, so
+        what it wrote counts as written (as after `mark_computed`)."""
         self.append_token_ids_batch([request_id], [new_token_ids])
 
     def append_token_ids_batch(self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]) -> None:
@@ -368,6 +376,7 @@ class KVCacheManager:
         for slot, ids in zip(slots.tolist(), new_token_ids):
             token_ids[slot].extend(ids)
         self._num_tokens[slots] = num_tokens
+        self._num_written[slots] = self._num_computed[slots]
         if self.prefix_config is not None:
             unit = self.prefix_config.unit
             for slot in slots[num_tokens // unit > self._num_hashed_tokens[slots] // unit].tolist():
@@ -456,6 +465,7 @@ class KVCacheManager:
             self._flush_frees()
         if self.prefix_config is not None and self._num_uploads > UPLOAD_ROWS:
             self._flush_uploads()
+        self._num_written[slots] = num_computed  # this call says the rows' earlier steps ran
         work, work_rows = self._plan_step(slots, num_computed, num_new, hits, full)
         if not len(work_rows) and not self._tails:
             # No row takes, releases, claims or indexes a block: the counts advance on the host only.
@@ -479,10 +489,13 @@ class KVCacheManager:
         rows[2, :m] = full[work_rows]
         rows[3, :m] = hits[work_rows]
         rows[4, :m] = np.where(num_computed[work_rows] == 0, self._shared_len[sel_slots], 0)
-        free_slots = None  # a shape without the free pass (compiled apart) when nothing is pending
+        free_rows = None  # a shape without the free pass (compiled apart) when nothing is pending
         if self._pending_free:
-            free_slots = np.full(FREE_ROWS, self.max_num_seqs, np.int32)
-            free_slots[: len(self._pending_free)] = self._pending_free
+            free_rows = np.zeros((2, FREE_ROWS), np.int32)
+            free_rows[0] = self.max_num_seqs
+            free_rows[:, : len(self._pending_free)] = self._pending_free, self._pending_written
+            if self._pending_ran():
+                free_rows = free_rows[0]  # the usual program: nothing to take out of the index
         uploads = None if self.prefix_config is None else self._take_uploads(UPLOAD_ROWS)
         released = None
         if self._tails:
@@ -490,9 +503,10 @@ class KVCacheManager:
             released = np.zeros(RELEASE_ROWS, np.int32)
             released[: len(self._release[:RELEASE_ROWS])] = self._release[:RELEASE_ROWS]
         self._state, packed = self._allocate_fn(
-            self._state, rows, self._device_counts(), free_slots, uploads, released, work=work
+            self._state, rows, self._device_counts(), free_rows, uploads, released, work=work
         )
         self._pending_free.clear()
+        self._pending_written.clear()
         self._freed_counts.clear()
         self._pending_free_entries = 0
         packed = np.asarray(packed)
@@ -522,6 +536,7 @@ class KVCacheManager:
         self._num_free_blocks = num_free
         self.prefix_stats["claimed_hit_tokens"] += num_hit
         self._num_computed[slots[ok]] += (num_new + hits)[ok]
+        self._num_written[slots[ok]] += hits[ok]  # claimed hits hold cached content
         self._check()
         return ok
 
@@ -613,9 +628,26 @@ class KVCacheManager:
                 "take_block_copies() and apply them (jaxkv.copy_blocks) before the forward pass"
             )
 
+    def mark_computed(self, request_ids: Sequence[Hashable]) -> None:
+        """Says that the forward pass computing the requests' allocated tokens ran: what it wrote (K/V,
+        states) is valid, and `free` may leave it findable by later requests.
+
+        A request's next allocation says the same of its earlier steps (its computed tokens are
+        computed), so only a request freed right after a step needs this: call it once the step's
+        forward pass was dispatched, before freeing or preempting its requests (vLLM's scheduler does
+        the same when a step's output comes back). A request freed without it makes nothing of its last
+        step findable: the states that step would have saved are not indexed, and the attention blocks
+        its allocation indexed (vLLM's rule: findable once scheduled) leave the index. Host only.
+        """
+        slots = self._slots(request_ids)
+        self._num_written[slots] = self._num_computed[slots]
+
     # ---- freeing ---------------------------------------------------------------------------
     def free(self, request_id: Hashable) -> None:
-        """Releases every block of the request and forgets it (its id may be added again)."""
+        """Releases every block of the request and forgets it (its id may be added again).
+
+        With prefix caching, its cached blocks stay findable until reused, and the state its last step
+        ended on becomes findable, as far as the forward passes are known to have run (`mark_computed`)."""
         self.free_batch([request_id])
 
     def free_batch(self, request_ids: Sequence[Hashable]) -> None:
@@ -628,6 +660,7 @@ class KVCacheManager:
         holding = slots[(self._num_computed[slots] > 0) | (self._num_uploaded[slots] > 0)]
         if holding.size:
             self._pending_free.extend(holding.tolist())
+            self._pending_written.extend(self._num_written[holding].tolist())
             self._freed_counts.update(zip(holding.tolist(), self._num_computed[holding].tolist()))
             _, count, _ = st.held_ranges(
                 self._num_computed[holding][:, None], self._first_live[holding], self._rules, xp=np
@@ -652,6 +685,10 @@ class KVCacheManager:
         if self.debug_checks:
             self._flush_frees()
 
+    def _pending_ran(self) -> bool:
+        """Whether every pending free's last step is known to have run (the free program without uncaching)."""
+        return all(w >= self._freed_counts[s] for s, w in zip(self._pending_free, self._pending_written))
+
     def _flush_frees(self) -> None:
         """Applies the recorded frees on the device now (one dispatch)."""
         if not self._pending_free:
@@ -660,8 +697,12 @@ class KVCacheManager:
         self._sync_counts()
         slots = np.asarray(self._pending_free, np.int32)
         num_rows = FREE_ROWS if len(slots) <= FREE_ROWS else self.max_num_seqs
-        self._state = self._free_fn(self._state, self._pad(slots, num_rows, self.max_num_seqs))
+        written = None
+        if self.prefix_config is not None and not self._pending_ran():
+            written = self._pad(np.asarray(self._pending_written, np.int32), num_rows, 0)
+        self._state = self._free_fn(self._state, self._pad(slots, num_rows, self.max_num_seqs), written)
         self._pending_free.clear()
+        self._pending_written.clear()
         self._freed_counts.clear()
         self._pending_free_entries = 0
         self._num_free_blocks = None  # read on demand: a later dispatch may donate this state
@@ -744,10 +785,17 @@ class KVCacheManager:
         self._state = None
         return state
 
-    def adopt_state(self, state: st.ManagerState, request_ids: Sequence[Hashable]) -> None:
+    def adopt_state(
+        self, state: st.ManagerState, request_ids: Sequence[Hashable], pinned_copies: Sequence[int] = ()
+    ) -> None:
         """Takes back a state that a jitted loop advanced for `request_ids` (see `take_state`).
 
-        The loop may only have allocated tokens for these requests; the host's count of
+        `pinned_copies`: destinations of block copies the loop's last allocation made and the loop
+        applied (`AllocateResult.copies`); the manager's next allocation releases their pins (NULL_BLOCK
+        entries are ignored).
+
+        The loop may only have allocated tokens for these requests, and ran the forward pass of
+        each step it allocated (what the steps wrote counts as written); the host's count of
         their computed tokens is read back from the device (one transfer). Append the
         tokens they produced with `append_token_ids` before scheduling them again.
         """
@@ -759,10 +807,12 @@ class KVCacheManager:
             (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
         )
         self._num_computed[slots] = num_computed
+        self._num_written[slots] = num_computed  # the loop ran each step it allocated
         self._first_live[slots] = first_live
         if state.prefix is not None:
             self._num_cached[slots] = jax.device_get(state.prefix.num_cached_blocks[:, slots].T)
         self._num_free_blocks = int(num_free)
+        self._release.extend(int(d) for d in np.asarray(pinned_copies).reshape(-1) if d != NULL_BLOCK)
         self._check()
 
     def slots_of(self, request_ids: Sequence[Hashable]) -> np.ndarray:
@@ -870,14 +920,14 @@ class KVCacheManager:
             for num_rows in sorted({self._num_rows(1), self.max_num_seqs}):
                 rows = np.zeros((6 if self._tails else 5, num_rows), np.int32)
                 rows[0] = self.max_num_seqs  # padding rows only
-                for free_slots in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
-                    if self._program_work(work, num_rows, free_slots is not None) != work:
+                for free_rows in (None, np.full(FREE_ROWS, self.max_num_seqs, np.int32)):
+                    if self._program_work(work, num_rows, free_rows is not None) != work:
                         continue
                     self._state, _ = self._allocate_fn(
-                        self._state, rows, self._device_counts(), free_slots, uploads, released, work=work
+                        self._state, rows, self._device_counts(), free_rows, uploads, released, work=work
                     )
         for num_rows in sorted({FREE_ROWS, self.max_num_seqs}):
-            self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32))
+            self._state = self._free_fn(self._state, np.full(num_rows, self.max_num_seqs, np.int32), None)
 
     def _check(self) -> None:
         if self.debug_checks:

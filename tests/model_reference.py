@@ -197,11 +197,24 @@ class ModelState:
         table = self.tables[g][s]
         return sum(1 for j in range(self.first_live[g][s], self._keep(g, s)) if table[j] != NULL_BLOCK)
 
-    def free(self, slots) -> None:
+    def free(self, slots, num_written=None) -> None:
+        """`num_written`: per slot, the tokens a forward pass is known to have written (None: all computed).
+        A slot with fewer caches nothing of its last step, and its attention blocks from index
+        num_written // block_size on leave the index first."""
+        written = [self.num_computed[s] for s in slots] if num_written is None else num_written
+        ran = [s for s, w in zip(slots, written) if w >= self.num_computed[s]]
         if self.prefix is not None:
-            for s in slots:
+            for s in ran:
                 self._cache_state_blocks(s)
-            self._register_tails(slots, move=False)
+            self._register_tails(ran, move=False)
+            for s, w in zip(slots, written):
+                for g, group in enumerate(self.groups):
+                    if s in ran or group.kind == "mamba":
+                        continue
+                    for b in self.tables[g][s][w // group.block_size :]:
+                        if b != NULL_BLOCK and b in self.cached_group:
+                            self.index.remove([b])
+                            del self.cached_group[b]
         for s in slots:
             for g in range(len(self.groups)):
                 self._release_range(g, s, 0, self.max_blocks)

@@ -167,17 +167,19 @@ def test_errors_name_the_offending_value():
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_random_use_matches_model(data):
-    """add / lookup / batched allocate (hits claimed, prefill chunks, decodes) / free / preempt through
-    the facade; the device state (block ids, prefix-cache index included) equals the model after every
-    allocation."""
+    """add / lookup / batched allocate (hits claimed, prefill chunks, decodes) / mark computed / free / preempt
+    through the facade; the device state (block ids, prefix-cache index included) equals the model after
+    every allocation. A request freed without `mark_computed` since its last allocation caches nothing
+    of that step."""
     mgr = manager(debug_checks=data.draw(st.booleans(), label="debug_checks"))
     model = ModelState(CFG, 3, mgr.prefix_config)
     running: list[str] = []  # admission order
     tokens: dict[str, list[int]] = {}
     shared: dict[str, int] = {}  # the shared length of each request's last lookup (0: none since it was added)
+    written: dict[str, int] = {}  # tokens whose step is known to have run (mark_computed, or a later call)
     next_id = 0
     for _ in range(data.draw(st.integers(1, 20), label="num_ops")):
-        op = data.draw(st.sampled_from(["add", "allocate", "allocate", "free", "preempt"]), label="op")
+        op = data.draw(st.sampled_from(["add", "allocate", "allocate", "mark", "free", "preempt"]), label="op")
         if op == "add" and mgr.num_requests < 3:
             rid = f"r{next_id}"
             next_id += 1
@@ -204,27 +206,36 @@ def test_random_use_matches_model(data):
                 new_tokens.append(data.draw(st.integers(0, min(remaining - hit, 8)), label="num_new_tokens"))
                 must_fit.append(mgr.num_computed_tokens(rid) == 0 and data.draw(st.booleans(), label="must_fit"))
             slots = mgr.slots_of(rids).tolist()
+            for rid in rids:  # the call says their earlier steps ran
+                written[rid] = mgr.num_computed_tokens(rid)
             full = [mgr.num_tokens(rid) if fit else 0 for rid, fit in zip(rids, must_fit)]
             shared_tokens = [shared[rid] if mgr.num_computed_tokens(rid) == 0 else 0 for rid in rids]
             ok = mgr.allocate_slots_batch(rids, new_tokens, hits, full_sequence_must_fit=must_fit)
             for rid in running:  # every request's keys ride with the allocation
                 model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
             assert ok.tolist() == model.allocate(slots, new_tokens, full, hits, num_shared_tokens=shared_tokens)
+            for rid, hit, fits in zip(rids, hits, ok):
+                written[rid] += hit if fits else 0  # claimed hits hold cached content
             assert mgr.num_free_blocks == model.num_free_blocks
             assert_state_matches(mgr._state, model)  # no read: nothing flushed
             for rid, slot in zip(rids, slots):
                 for g, ids in enumerate(mgr.get_block_ids(rid)):
                     assert list(ids) == model.tables[g][slot][: len(ids)]
+        elif op == "mark" and running:  # the step of these requests' allocations ran
+            rids = data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True), label="mark")
+            mgr.mark_computed(rids)
+            written.update((rid, mgr.num_computed_tokens(rid)) for rid in rids)
         elif op in ("free", "preempt") and running:
             rids = (
                 [running[-1]]
                 if op == "preempt"
                 else data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True), label="free")
             )
-            model.free(mgr.slots_of(rids).tolist())
+            model.free(mgr.slots_of(rids).tolist(), [written.get(rid, 0) for rid in rids])
             mgr.free_batch(rids)
             for rid in rids:
                 running.remove(rid)
+                written[rid] = 0
                 if op == "preempt":  # back to waiting, computed tokens forgotten: re-added later
                     mgr.add_request(rid, tokens[rid])
                     shared[rid] = 0
@@ -324,3 +335,43 @@ def test_a_preempted_requests_hasher_comes_back_with_its_grown_prompt():
     assert mgr.get_computed_tokens("a") == 4
     with pytest.raises(ValueError, match="unit_hasher has taken 5 tokens, the prompt of request 'b' has 4"):
         mgr.add_request("b", [1, 2, 3, 4], unit_hasher=hasher)
+
+
+@pytest.mark.parametrize("ran", [False, True])
+def test_a_step_not_known_to_have_run_leaves_nothing_findable(ran):
+    # State + full attention, block 4. Request "a" computes its 10-token prompt in chunks of 4, 4 and 2. Each
+    # allocation indexes the full-attention blocks it fills; the state after 8 tokens is saved at the next call or
+    # at free. Whether "a"'s last step ran is known only if the caller says so (mark_computed).
+    cfg = make_cfg(20, mamba(4), full(4), max_model_len=24, max_num_batched_tokens=16)
+    prompt = list(range(100, 110))
+    mgr = KVCacheManager(cfg, max_num_seqs=2, debug_checks=True)
+    mgr.add_request("a", prompt)
+    assert mgr.allocate_slots("a", 4)
+    assert mgr.allocate_slots("a", 4)  # this call says the first step ran: the state after 4 tokens is saved
+    if ran:
+        mgr.mark_computed(["a"])
+    mgr.free("a")  # an abort (ran=False): the second step's forward pass may never have run
+    mgr.add_request("b", prompt)
+    # Not known to have run: only the first step's state (4) and attention block are findable; block 1, which
+    # the second allocation indexed before its step, left the index.
+    assert mgr.get_computed_tokens("b") == (8 if ran else 4)
+    check_invariants(cfg, mgr.state, mgr.prefix_config)
+
+
+def test_sampled_tokens_say_the_step_ran():
+    # Full attention only, block 2: the tokens the model produced (append_token_ids) are the step's output, so
+    # the blocks its allocation indexed stay findable after a free.
+    cfg = make_cfg(16, full(2), max_model_len=16, max_num_batched_tokens=8)
+    mgr = KVCacheManager(cfg, max_num_seqs=2, debug_checks=True)
+    mgr.add_request("a", [1, 2, 3, 4, 5])
+    assert mgr.allocate_slots("a", 5)
+    mgr.append_token_ids("a", [6])
+    mgr.free("a")
+    mgr.add_request("b", [1, 2, 3, 4, 5, 6, 7])
+    assert mgr.get_computed_tokens("b") == 4
+    mgr.free("b")
+    mgr.add_request("c", [1, 2, 3, 4, 5])
+    assert mgr.allocate_slots("c", 5)
+    mgr.free("c")  # no token, no mark: its allocation's blocks (which replaced a's in the index) leave it
+    mgr.add_request("d", [1, 2, 3, 4, 5, 6, 7])
+    assert mgr.get_computed_tokens("d") == 0

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.core.pool import PoolState, cumsum, init_pool, pop, release
+from jaxkv.core.pool import NOT_CACHED, PoolState, cumsum, init_pool, pop, release
 from jaxkv.core.ranges import in_chunks as _in_chunks
 from jaxkv.core.ranges import range_chunk as _range_chunk
 from jaxkv.core.ranges import range_layout as _range_layout
@@ -222,19 +222,21 @@ def held_ranges(num_computed, first_live, rules: GroupRules, xp=jnp):
     return start, count, stride
 
 
-def _release_ranges(state: ManagerState, ranges, chunk_sizes, evict_from=None) -> ManagerState:
+def _release_ranges(state: ManagerState, ranges, chunk_sizes, evict_from=None, uncache_from=None) -> ManagerState:
     """Releases the table entries of `ranges` (from `_table_ranges`), each range tail first.
 
     NULL entries are skipped; released entries become NULL. `evict_from` int32[Q] or None:
     per range, the cached blocks at table indices from it on go to the head of the free
-    order, as uncached ones do (`pool.release`'s evict_first).
+    order, as uncached ones do (`pool.release`'s evict_first). `uncache_from` int32[Q] or
+    None (prefix caching): per range, the cached blocks at table indices from it on leave
+    the index first (`jaxkv.prefix.state.uncache_blocks`): their content is not known.
     """
     count, first, step = ranges
     shape = state.block_tables.shape
     out_of_range = shape[0] * shape[1] * shape[2]
     layout = _range_layout(count, max_entries=count.shape[0] * shape[2])
-    columns = [first, step, count] + ([] if evict_from is None else [evict_from])
-    attrs = jnp.stack(columns, axis=1)  # one gather per entry instead of several
+    extra = [c for c in (evict_from, uncache_from) if c is not None]
+    attrs = jnp.stack([first, step, count, *extra], axis=1)  # one gather per entry instead of several
 
     def release_body(size):
         def release_chunk(chunk_idx, state):
@@ -248,6 +250,9 @@ def _release_ranges(state: ManagerState, ranges, chunk_sizes, evict_from=None) -
             # read first and writes in place instead of copying the tables.
             null = jnp.where(block < 0, block, NULL_BLOCK)
             evict_first = None if evict_from is None else idx % shape[2] >= entry_attrs[3]
+            if uncache_from is not None:
+                unknown = (block != NULL_BLOCK) & (idx % shape[2] >= entry_attrs[-1])
+                state = ps.uncache_blocks(state, block, unknown & (state.pool.block_group[block] != NOT_CACHED))
             return dataclasses.replace(
                 state,
                 pool=release(state.pool, block, block != NULL_BLOCK, evict_first),
@@ -333,6 +338,7 @@ def _allocate(
     num_prompt_tokens=None,
     released_copies=None,
     num_shared_tokens=None,
+    free_num_written=None,
     *,
     cfg: KVCacheConfig,
     chunk_sizes: tuple[int, ...] | None = None,
@@ -352,6 +358,7 @@ def _allocate(
         num_shared_tokens=num_shared_tokens,
         num_prompt_tokens=num_prompt_tokens,
         free_slots=free_slots,
+        free_num_written=free_num_written,
         hash_uploads=hash_uploads,
         released_copies=released_copies,
     )
@@ -368,12 +375,26 @@ def _partial_groups(rules: GroupRules, prefix: ps.PrefixCacheConfig):
     )
 
 
-def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes):
+def _free_cached(
+    state: ManagerState, req_slots, rules: GroupRules, prefix: ps.PrefixCacheConfig, sizes, num_written=None
+):
     """`_free` with a prefix cache: the state blocks the requests' last step ended on, and their
     prompt-tail blocks (`jaxkv.prefix.tails.register_tails`), become findable first; the slots' keys and
-    cache progress are forgotten. Pinned copies stay pinned."""
+    cache progress are forgotten. Pinned copies stay pinned.
+
+    `num_written` int32[R] or None (all): the tokens of each request a forward pass is known to have
+    written. A request with fewer than it computed (its last allocation's step may not have run) makes
+    nothing findable, and its attention blocks from index num_written // b on leave the index (an
+    allocation indexes the blocks it fills before their step runs)."""
     row, slots, scatter_slots = _rows(state, req_slots)
     num_computed = jnp.where(row, state.num_computed[slots], 0)
+    uncache_from = None
+    if num_written is not None:
+        ran = num_written >= num_computed
+        unknown_from = jnp.maximum(num_written, 0)[:, None] // rules.block_size[None, :]  # [R, G]
+        keep_all = ran[:, None] | (rules.kind == MAMBA)[None, :]  # a state block is never indexed while written
+        uncache_from = jnp.where(keep_all, state.block_tables.shape[2], unknown_from).reshape(-1)
+        num_computed = jnp.where(ran, num_computed, 0)  # nothing of its last step becomes findable
     state = ps.cache_state_blocks(
         state,
         scatter_slots,
@@ -396,12 +417,13 @@ def _free_cached(state: ManagerState, req_slots, rules: GroupRules, prefix: ps.P
         )
     state, ranges, _ = _forget_rows(state, req_slots, rules)
     state = dataclasses.replace(state, prefix=ps.forget_slots(state.prefix, scatter_slots))
-    return _release_ranges(state, ranges, sizes)
+    return _release_ranges(state, ranges, sizes, uncache_from=uncache_from)
 
 
 def _free(
     state: ManagerState,
     req_slots,
+    num_written=None,
     *,
     cfg: KVCacheConfig,
     chunk_sizes: tuple[int, ...] | None = None,
@@ -411,15 +433,19 @@ def _free(
 
     req_slots: int32[R] distinct slots; S marks a padding row. Per request the
     blocks are freed group by group, each group tail first (vLLM's order), so
-    that among cached blocks a shared prefix is evicted after the tails. Free a
-    request only after the step that computes its allocated tokens ran: blocks
-    cached by `allocate` are findable from then on. Jitted as `free` (config,
-    chunk sizes and prefix config static, state donated).
+    that among cached blocks a shared prefix is evicted after the tails.
+    num_written: int32[R] or None (prefix caching): the tokens of each request
+    that a forward pass is known to have written; None: every token it computed
+    (its last allocation's step ran). The blocks an allocation cached before its
+    step ran, and the states that step would have written, stay findable only
+    for a request whose step is known to have run (`_free_cached`). Jitted as
+    `free` (config, chunk sizes and prefix config static, state donated).
     """
     rules = group_rules(cfg)
     sizes = chunk_sizes or default_chunk_sizes(cfg, req_slots.shape[0])
     if state.prefix is not None:
-        return _free_cached(state, req_slots, rules, ps.check_prefix_config(cfg, state.prefix, prefix), sizes)
+        prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
+        return _free_cached(state, req_slots, rules, prefix, sizes, num_written)
     state, ranges, _ = _forget_rows(state, req_slots, rules)
     return _release_ranges(state, ranges, sizes)
 

@@ -93,6 +93,8 @@ class StepBatch:
     num_prompt_tokens: int32[R] (prefix caching) prompt lengths (0: unknown); with a unit finer than
                        a block, the prompt tail's final unit boundary gets a partial entry
     free_slots:        int32[F] requests to free first (as `free`); S marks padding
+    free_num_written:  int32[F] (prefix caching) their tokens a forward pass is known to have written
+                       (as `free`'s num_written); None: all they computed
     hash_uploads:      uint32[X, 6] (prefix caching) unit keys to store (`jaxkv.prefix.state.store_hashes`)
     released_copies:   int32[C] (prefix caching) destinations of applied copies: their pins drop
     slot_counts:       int32[S] every slot's computed tokens as the host counts them; they replace
@@ -107,6 +109,7 @@ class StepBatch:
     num_shared_tokens: jax.Array | None = None
     num_prompt_tokens: jax.Array | None = None
     free_slots: jax.Array | None = None
+    free_num_written: jax.Array | None = None
     hash_uploads: jax.Array | None = None
     released_copies: jax.Array | None = None
     slot_counts: jax.Array | None = None
@@ -114,7 +117,14 @@ class StepBatch:
 
 jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in dataclasses.fields(StepBatch)], meta_fields=[])
 
-_PREFIX_PARTS = ("num_hit_tokens", "num_shared_tokens", "num_prompt_tokens", "hash_uploads", "released_copies")
+_PREFIX_PARTS = (
+    "num_hit_tokens",
+    "num_shared_tokens",
+    "num_prompt_tokens",
+    "free_num_written",
+    "hash_uploads",
+    "released_copies",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +256,8 @@ def free_requests(state: ManagerState, batch: StepBatch, ctx: _Context):
         return state, ranges, num_blocks, jnp.int32(0)
     _, (count, _, _), _ = _forget_rows(state, batch.free_slots, ctx.rules)  # the entries only, for the check
     unplanned = _unplanned(ctx.walk("free"), jnp.sum(count))
-    return _free_cached(state, batch.free_slots, ctx.rules, ctx.prefix, ctx.walk("free")), None, 0, unplanned
+    state = _free_cached(state, batch.free_slots, ctx.rules, ctx.prefix, ctx.walk("free"), batch.free_num_written)
+    return state, None, 0, unplanned
 
 
 def store_keys(state: ManagerState, batch: StepBatch, ctx: _Context) -> ManagerState:

@@ -403,7 +403,7 @@ def _index_blocks(state, keys, blocks, valid):
     return index_blocks(state, keys, blocks, valid)[0]
 
 
-def _uncache_blocks(state, blocks, valid):
+def uncache_blocks(state, blocks, valid):
     """Takes the cached `blocks` int32[F] (valid bool[F]; repeats allowed) out of the index, uncached:
     held ones stay with their holders (once released they go to the head of the free order), free
     ones go to the head now (reused first).
@@ -450,7 +450,7 @@ def cache_full_blocks(state, slots, start, count, *, rules, prefix: PrefixCacheC
         old = ((blocks != NULL_BLOCK) & (indexed != NULL_BLOCK) & (indexed != blocks)).reshape(-1)
         indexed = indexed.reshape(-1)
         old = old & (state.prefix.cached_in_pass[indexed] != this_pass)  # (blocks this pass indexed are held)
-        state = run_if(jnp.any(old), lambda state: _uncache_blocks(state, indexed, old), state)
+        state = run_if(jnp.any(old), lambda state: uncache_blocks(state, indexed, old), state)
         state, placed = index_blocks(state, keys, blocks, in_range)
         stamped = jnp.where(placed, blocks, num_blocks).reshape(-1)
         return dataclasses.replace(

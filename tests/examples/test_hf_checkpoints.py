@@ -266,11 +266,25 @@ def test_only_the_text_only_gemma3_applies_the_final_softcap():
     assert TextConfig.from_hf(text_only).final_logit_softcapping == 30.0
 
 
-def test_decode_refuses_qwen3_next_checkpoints_with_the_reason():
-    import decode
-
-    with pytest.raises(SystemExit, match=r"qwen3_next is ported .* not yet served through the paged pool"):
-        decode.main(["--checkpoint", str(FIXTURES / "qwen3_next"), "--prompt", "hello"])
+def test_qwen3_next_checkpoint_served_by_decode(tmp_path):
+    # Its state layers make every block 24 tokens (--block-size 4 aligns them); a unit of 4 lets hits and saved
+    # prompt-tail states fall inside a block. Tests in test_qwen3_next.py serve conversations and preemption.
+    ref = load_reference("qwen3_next")
+    stdout, served = serve(
+        "qwen3_next",
+        tmp_path,
+        [r["prompt"].tolist() for r in ref],
+        12,
+        24,
+        "--dtype",
+        "float32",
+        "--prefix-match-unit",
+        "4",
+    )
+    for i, (want, got) in enumerate(zip(ref, served, strict=True)):
+        assert got["tokens"].tolist() == want["tokens"].tolist(), f"prompt {i}: greedy tokens differ"
+        assert_logits_close(want["logits"], got["logits"], F32_TOLERANCE, f"prompt {i}")
+    assert figure(r"block copies: (\d+)", stdout) > 0 and figure(r"\((\d+) on-device loops", stdout) >= 1
 
 
 def _mxfp4(w: np.ndarray):

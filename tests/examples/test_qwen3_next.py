@@ -7,6 +7,11 @@ chunked delta rule (chunks of 64) spans one to three chunks. No torch here.
 
 Every sequence is padded at its end to PADDED_LEN, so that each pass compiles once for all prompts: the model is
 causal, so padding after a sequence leaves its logits as they were.
+
+Served through jaxkv's pool (examples/serving.py, its state layers in state groups of 32-token blocks, hits at every
+8 tokens): transformers' multi-turn conversations (conversations.npz), whose later turns resume from states saved at
+block ends and at prompt tails inside a block; a pool that preempts; device decode loops; and the same conversation
+with its block copies dropped, which must show in the logits.
 """
 
 from __future__ import annotations
@@ -199,3 +204,114 @@ def test_unsupported_configs_are_refused(change, message):
     config = json.loads((FIXTURE / "config.json").read_text())
     with pytest.raises(ValueError, match=message):
         Qwen3NextConfig.from_hf({**config, **change})
+
+
+# ---- served through jaxkv's pool (examples/serving.py) -------------------------------------------------------------
+
+BLOCK_SIZE = 32  # page-size unification: one state page (5,632 B, padded to 8,192) = 32 tokens of K/V
+UNIT = 8  # prefix_match_unit: hits may end inside a 32-token block
+
+
+def serving_loop(model, num_blocks: int):
+    """A loop over a plan of `num_blocks` blocks, 3 requests at a time, steps of 32 tokens, device loops of 4
+    decode steps, hits at every 8 tokens; the pool starts as NaN, so a read of a block nothing wrote poisons
+    the logits."""
+    from flax import nnx
+    from serving import ServingLoop
+
+    import jaxkv
+
+    specs = jaxkv.specs_from_hf_config(json.loads((FIXTURE / "config.json").read_text()), dtype="float32")
+    probe = jaxkv.plan(specs, 1 << 30, max_model_len=200, max_num_batched_tokens=32)
+    cfg = jaxkv.plan(specs, num_blocks * probe.bytes_per_block, max_model_len=200, max_num_batched_tokens=32)
+    assert {g.block_size for g in cfg.groups} == {BLOCK_SIZE} and not jaxkv.is_typed(cfg)
+    loop = ServingLoop(
+        nnx.merge(*model),
+        cfg,
+        max_num_seqs=3,
+        max_num_batched_tokens=32,
+        decode_steps=4,
+        record_logits=True,
+        prefix_match_unit=UNIT,
+    )
+    loop.cache = jnp.full_like(loop.cache, 0xFF)  # every float32 in it NaN
+    return loop
+
+
+def served_logits(request, num_rows: int) -> np.ndarray:
+    """[num_rows, V] logits the loop computed for `request` (NaN: a row a prefix hit spared)."""
+    logits = np.full((num_rows, 384), np.nan, np.float32)
+    for position, row in request.logits.items():
+        logits[position] = row
+    return logits
+
+
+def serve_turns(loop, num_conversations: int) -> list[list[tuple[object, np.ndarray]]]:
+    """Turn by turn, every conversation's prompt (`conversations.npz`) at once, 12 greedy tokens each.
+    Returns per turn, per conversation (request, transformers' logits)."""
+    ref = np.load(FIXTURE / "conversations.npz")
+    turns = []
+    for t in range(3):
+        prompts = [ref[f"c{c}_t{t}_prompt"].tolist() for c in range(num_conversations)]
+        requests = loop.generate(prompts, 12)
+        for c, request in enumerate(requests):  # the next prompt continues this turn's greedy tokens
+            assert request.output == ref[f"c{c}_t{t}_tokens"].tolist(), f"conversation {c} turn {t}: tokens"
+        turns.append([(r, ref[f"c{c}_t{t}_logits"]) for c, r in enumerate(requests)])
+    return turns
+
+
+def test_conversations_served_through_the_pool_equal_transformers(model):
+    # 3 conversations x 3 turns; each turn's prompt continues the previous one. Turn 1 resumes from the state
+    # saved at the end of turn 0's prompt (a block end), turn 2 from the state saved at turn 1's prompt tail
+    # (136 or 144: inside a block), copied to a fresh block before the step writes past it.
+    loop = serving_loop(model, num_blocks=52)
+    hits = []
+    for t, turn in enumerate(serve_turns(loop, 3)):
+        for c, (request, want) in enumerate(turn):
+            got = served_logits(request, len(want))
+            computed = ~np.isnan(got).any(axis=1)
+            assert computed[len(request.prompt) - 1 :].all()  # the last prompt position and every generated one
+            assert_close(got[computed], want[computed], f"conversation {c} turn {t}")
+            hits.append(int(np.argmax(computed)))
+    assert hits[3:6] == [96, 96, 96] and hits[6:] == [136, 136, 144]  # turn 2's hits end inside block 4
+    assert loop.stats.block_copies > 0 and loop.stats.device_loops > 0
+
+
+def test_a_pool_that_preempts_resumes_from_saved_states(model):
+    # reference.npz's prompts (111, 64, 131 and 14 tokens with the fed-back ones) in a 22-block pool: a request
+    # is preempted and recomputes from its last saved state; the second prompt resumes from the first's.
+    loop = serving_loop(model, num_blocks=22)
+    ref = np.load(FIXTURE / "reference.npz")
+    requests = loop.generate([ref[f"prompt_{i}"].tolist() for i in range(4)], 12)
+    for i, request in enumerate(requests):
+        want = ref[f"logits_{i}"]
+        assert request.output == ref[f"tokens_{i}"].tolist(), f"prompt {i}: tokens"
+        got = served_logits(request, len(want))
+        computed = ~np.isnan(got).any(axis=1)
+        assert_close(got[computed], want[computed], f"prompt {i}")
+    assert loop.stats.preemptions >= 1 and loop.stats.prefix_hit_tokens > 0 and loop.stats.device_loops > 0
+
+
+@pytest.mark.parametrize("apply_copies", [True, False])
+def test_one_conversation_needs_its_block_copies(model, monkeypatch, apply_copies):
+    # Conversation 0 alone: its last prompt token runs in a device loop, whose first allocation moves the
+    # request to a copy of the state saved at its prompt tail (the loop applies it); turn 2 resumes inside
+    # block 4 from a copy. With the copies dropped, a request reads a block that does not hold its state.
+    import jaxkv
+
+    if not apply_copies:
+        monkeypatch.setattr(jaxkv, "copy_blocks", lambda cache, copies, cfg: cache)
+    loop = serving_loop(model, num_blocks=52)
+    ref = np.load(FIXTURE / "conversations.npz")
+    worst, scale = 0.0, 0.0
+    for t in range(3):
+        (request,) = loop.generate([ref[f"c0_t{t}_prompt"].tolist()], 12)
+        want = ref[f"c0_t{t}_logits"]
+        positions = sorted(request.logits)  # rows the loop computed (NaN ones too: the pool starts as NaN)
+        error = np.abs(served_logits(request, len(want))[positions] - want[positions])
+        worst, scale = max(worst, float(np.nan_to_num(error, nan=np.inf).max())), max(scale, np.abs(want).max())
+    assert loop.stats.block_copies > 0
+    if apply_copies:
+        assert worst <= F32_TOLERANCE * scale
+    else:
+        assert worst > 100 * F32_TOLERANCE * scale
