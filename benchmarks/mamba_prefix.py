@@ -14,10 +14,20 @@ block size) and a finer unit (16 by default):
   conversation's next turn arrives, looked up (`get_computed_tokens`) and claimed;
 * block copies are taken every step (`take_block_copies`) and counted (no model runs here).
 
+With `--serve` the model runs: the tiny Qwen3-Next checkpoint of tests/fixtures/hf/qwen3_next (5 layers, 4 of
+them Gated DeltaNet; random weights, float32), planned with the same 544-token blocks and as many blocks as the
+80B plan, serves the same conversations (token ids taken modulo its vocabulary, in both modes) through
+examples/serving.py's loop: continuous batching with a shared token budget (`--max-chunk` tokens a step), chunks
+aligned as above, block copies applied before each step, states read and written in the pool, a conversation's
+next turn arriving as its previous one finishes (the answer's tokens are the workload's; the model's own
+are decoded but not kept).
+
     python benchmarks/mamba_prefix.py
     python benchmarks/mamba_prefix.py --units 16 64 --conversations 48
+    python benchmarks/mamba_prefix.py --serve --conversations 8
 
-Prints one table row per unit: requests, prompt tokens, hit tokens, hit rate, copies.
+Prints one table row per unit: requests, prompt tokens, hit tokens, hit rate, copies; with `--serve` also
+the tokens the model computed and wall time per turn.
 """
 
 from __future__ import annotations
@@ -26,12 +36,15 @@ import argparse
 import json
 import pathlib
 import random
+import sys
 import time
 
 from jaxkv import plan, specs_from_hf_config
 from jaxkv.manager import KVCacheManager
 
-CONFIG = pathlib.Path(__file__).resolve().parent.parent / "tests" / "configs" / "qwen3_next_80b.json"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "tests" / "configs" / "qwen3_next_80b.json"
+CHECKPOINT = ROOT / "tests" / "fixtures" / "hf" / "qwen3_next"
 
 
 def make_conversations(num: int, turns: int, seed: int) -> list[list[tuple[list[int], int]]]:
@@ -95,6 +108,7 @@ def replay(cfg, conversations, unit: int | None, concurrency: int, max_chunk: in
         if not ok.all():
             raise RuntimeError("the pool is too small for the replay's concurrency; lower --concurrency")
         stats["copies"] += len(mgr.take_block_copies())
+        mgr.mark_computed()  # the step's forward pass ran
         stats["steps"] += 1
         for rid, k, h in zip(ids, num_new, hits):
             r = active[rid]
@@ -116,6 +130,51 @@ def replay(cfg, conversations, unit: int | None, concurrency: int, max_chunk: in
     return stats
 
 
+def serve(conversations, unit: int | None, concurrency: int, max_chunk: int, num_blocks: int, block_size: int):
+    """The conversations served by the tiny Qwen3-Next checkpoint (see the module docstring)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from checkpoint import load_model, open_checkpoint
+    from serving import ServingLoop
+
+    checkpoint = open_checkpoint(CHECKPOINT)
+    specs = specs_from_hf_config(checkpoint.config, dtype="float32", block_size=block_size)
+    max_model_len = max(len(prompt) + answer for conv in conversations for prompt, answer in conv)
+    probe = plan(specs, 1 << 40, max_model_len=max_model_len, max_num_batched_tokens=max_chunk)
+    cfg = plan(specs, num_blocks * probe.bytes_per_block, max_model_len=max_model_len, max_num_batched_tokens=max_chunk)
+    assert {g.block_size for g in cfg.groups} == {block_size}, cfg.summary()
+    loop = ServingLoop(
+        load_model(checkpoint, "float32"),
+        cfg,
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=max_chunk,
+        prefix_match_unit=unit,
+    )
+    turn_of = {}  # request id -> (conversation, turn)
+
+    def follow_up(request):
+        conv, turn = turn_of[request.request_id]
+        if turn + 1 == len(conversations[conv]):
+            return None
+        turn_of[len(turn_of)] = (conv, turn + 1)
+        return conversations[conv][turn + 1]
+
+    firsts = [conv[0] for conv in conversations]
+    turn_of.update((i, (c, 0)) for c, i in enumerate(range(len(firsts))))
+    requests = loop.generate([p for p, _ in firsts], [a for _, a in firsts], follow_up=follow_up)
+    stats = loop.stats
+    return dict(
+        unit=loop.mgr.prefix_config.unit,
+        requests=len(requests),
+        prompt_tokens=stats.prompt_tokens,
+        hit_tokens=stats.prefix_hit_tokens,
+        computed=stats.tokens_computed,
+        copies=stats.block_copies,
+        steps=stats.steps,
+        preemptions=stats.preemptions,
+        seconds=round(stats.seconds, 1),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--units", type=int, nargs="+", default=[16])
@@ -125,12 +184,23 @@ def main():
     parser.add_argument("--max-chunk", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--serve", action="store_true", help="also serve them with the tiny Qwen3-Next model")
     args = parser.parse_args()
     cfg = plan(specs_from_hf_config(json.loads(CONFIG.read_text())), 20 * 2**30, max_model_len=32768)
     conversations = make_conversations(args.conversations, args.turns, args.seed)
+    if args.serve:  # the tiny model's vocabulary, in both modes
+        vocab = json.loads((CHECKPOINT / "config.json").read_text())["vocab_size"]
+        conversations = [[([t % vocab for t in p], a) for p, a in conv] for conv in conversations]
     rows = [replay(cfg, conversations, unit, args.concurrency, args.max_chunk) for unit in [None, *args.units]]
+    served = []
+    if args.serve:
+        block = cfg.groups[0].block_size
+        served = [
+            serve(conversations, unit, args.concurrency, args.max_chunk, cfg.num_blocks, block)
+            for unit in [None, *args.units]
+        ]
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps(rows + served))
         return
     kinds = ", ".join(f"{g.kind} {g.block_size}" for g in cfg.groups)
     print(f"groups: {kinds}; {cfg.num_blocks:,} blocks; {args.conversations} conversations x {args.turns} turns")
@@ -142,6 +212,20 @@ def main():
             f"| {label} | {r['requests']} | {r['prompt_tokens']:,} | {r['hit_tokens']:,} | "
             f"{r['hit_tokens'] / r['prompt_tokens']:.1%} | {r['copies']} | {r['steps']} | {r['seconds']} |"
         )
+    if served:
+        print("\nserved by the tiny Qwen3-Next model (the same blocks and pool size):")
+        print(
+            "| prefix_match_unit | requests | prompt tokens | hit tokens | hit rate | tokens computed | block copies "
+            "| steps | preemptions | s | s per turn |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in served:
+            label = f"{r['unit']} (block size)" if r["unit"] == cfg.groups[0].block_size else str(r["unit"])
+            print(
+                f"| {label} | {r['requests']} | {r['prompt_tokens']:,} | {r['hit_tokens']:,} | "
+                f"{r['hit_tokens'] / r['prompt_tokens']:.1%} | {r['computed']:,} | {r['copies']} | {r['steps']} | "
+                f"{r['preemptions']} | {r['seconds']} | {r['seconds'] / r['requests']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

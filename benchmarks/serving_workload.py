@@ -16,8 +16,8 @@ preempted and only when the whole request fits). A step is one
    (host-only). On a running failure, the most recently admitted running
    request is preempted (`free_batch`) and the batch retried from the failed
    row (one more dispatch per preemption);
-3. model step: computed counts advance, a request whose prompt is computed
-   appends its next output token (`append_token_ids`, timed apart, as vLLM's
+3. model step: the manager is told it ran (`mark_computed`), computed counts
+   advance, a request whose prompt is computed appends its next output token (`append_token_ids`, timed apart, as vLLM's
    peer times token appending apart), finished requests are freed
    (`free_batch`: recorded on the host, applied on the device at the start of
    the next step's dispatch).
@@ -143,7 +143,7 @@ def replay(args, workload: dict, trace=None) -> dict:
     pc = time.perf_counter
     step_kv_us: list[float] = []  # lookups, allocations, frees, request arrivals
     step_all_us: list[float] = []  # every manager call of the step, token appends included
-    call_us = {"allocate": 0.0, "add_request": 0.0, "lookup": 0.0, "free": 0.0, "append": 0.0}
+    call_us = {"allocate": 0.0, "add_request": 0.0, "lookup": 0.0, "free": 0.0, "mark": 0.0, "append": 0.0}
     calls = dict.fromkeys(call_us, 0)
     hit_tokens = peak_used = preemptions = admission_failures = admitted = finished = tokens_scheduled = 0
     t_wall = pc()
@@ -285,7 +285,8 @@ def replay(args, workload: dict, trace=None) -> dict:
                 + "\n"
             )
 
-        # (3) Model step.
+        # (3) Model step; the manager is told it ran (what it wrote may be cached when its requests are freed).
+        timed("mark", mgr.mark_computed)
         done, sampled = [], []
         for req, n in scheduled:
             req.num_computed += n

@@ -216,20 +216,23 @@ class GatedAttention(nnx.Module):
 
 def paged_gated_attention(attn: GatedAttention, x, cache, meta: jaxkv.StepMetadata, name: str):
     """x [T, D] packed as `meta` packs the rows -> (y [T, D], cache'): writes the step's K/V rows into the byte
-    buffer at the layer's slots (`jaxkv.write_rows`) and attends through its group's block table
-    (`paged_attention` on the layer's typed view, which XLA computes from the bytes: a copy of the view)."""
+    buffer at the layer's slots (`jaxkv.write_rows`) and attends through its group's block tables
+    (`paged_attention`). The kernel takes a typed cache: it gets the blocks of the rows' tables [R M], gathered
+    from the layer's typed view of the bytes (XLA reads just those blocks; the whole view would be copied)."""
     cfg = meta.cfg
     tensor_idx, layer_idx = jaxkv.find_layer(cfg, name)
     view = cfg.tensors[tensor_idx]
     q, k, v, gate = attn.project(x, meta.positions)
     rows = jnp.concatenate([k, v], axis=-1).astype(view.spec.dtype)  # [T, K, 2H]
     cache = jaxkv.write_rows(cache, rows, meta.slot_mapping[view.group_idx], layer_idx, cfg=cfg, tensor_idx=tensor_idx)
+    tables = meta.block_tables[view.group_idx]  # [R, M]
+    blocks = jnp.take(jaxkv.typed_view(cache, cfg, tensor_idx), tables.reshape(-1), axis=cfg.layout.index("B"))
     out = paged_attention(
         q.astype(view.spec.dtype),
-        jaxkv.typed_view(cache, cfg, tensor_idx),
+        blocks,  # [R M, L, K, N, 2H] in BLHNC
         meta.query_start_loc,
         meta.seq_lens,
-        meta.block_tables[view.group_idx],
+        jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape),  # row r's blocks, in table order
         layer_idx,
         sm_scale=attn.cfg.head_dim**-0.5,
         layout=cfg.layout,

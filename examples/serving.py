@@ -190,14 +190,18 @@ class ServingLoop:
         max_new_tokens: int | list[int],
         eos_token_ids: tuple[int, ...] = (),
         progress: bool = False,
+        follow_up=None,
     ):
         """Serves every prompt to completion (`max_new_tokens`, or a token of `eos_token_ids`);
-        returns the finished `Request`s in prompt order."""
+        returns the finished `Request`s in prompt order. `follow_up(request)`, called as a request
+        finishes, may return (prompt, max_new_tokens) of a request that arrives then (a conversation's
+        next turn); those follow in the returned list, in arrival order."""
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * len(prompts)
         requests = [
             Request(i, list(p), n, tuple(eos_token_ids)) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))
         ]
+        self._requests, self._follow_up = requests, follow_up
         self.waiting = list(requests)
         self.running: list[Request] = []
         self._stalled = False  # a device loop ran out of blocks: the next step preempts on the host
@@ -308,7 +312,7 @@ class ServingLoop:
         rids = [req.request_id for req, _ in scheduled]
         meta = self.mgr.step_metadata(rids, [k for _, k in scheduled], num_tokens=self.max_num_batched_tokens)
         logits, self.cache = self._model_step(self.params, self.cache, tokens, meta)
-        self.mgr.mark_computed(rids)
+        self.mgr.mark_computed()
         logits = np.asarray(logits)
         self.stats.steps += 1
         self.stats.tokens_computed += t
@@ -364,6 +368,11 @@ class ServingLoop:
         if req.done:
             self.mgr.free(req.request_id)
             self.running.remove(req)
+            arrival = self._follow_up(req) if self._follow_up is not None else None
+            if arrival is not None:
+                prompt, max_new_tokens = arrival
+                self._requests.append(Request(len(self._requests), list(prompt), max_new_tokens, req.eos_token_ids))
+                self.waiting.append(self._requests[-1])
         elif new_tokens:
             self.mgr.append_token_ids(req.request_id, new_tokens)
 

@@ -628,9 +628,9 @@ class KVCacheManager:
                 "take_block_copies() and apply them (jaxkv.copy_blocks) before the forward pass"
             )
 
-    def mark_computed(self, request_ids: Sequence[Hashable]) -> None:
-        """Says that the forward pass computing the requests' allocated tokens ran: what it wrote (K/V,
-        states) is valid, and `free` may leave it findable by later requests.
+    def mark_computed(self, request_ids: Sequence[Hashable] | None = None) -> None:
+        """Says that the forward pass computing the requests' allocated tokens ran (None: every request's):
+        what it wrote (K/V, states) is valid, and `free` may leave it findable by later requests.
 
         A request's next allocation says the same of its earlier steps (its computed tokens are
         computed), so only a request freed right after a step needs this: call it once the step's
@@ -639,6 +639,9 @@ class KVCacheManager:
         step findable: the states that step would have saved are not indexed, and the attention blocks
         its allocation indexed (vLLM's rule: findable once scheduled) leave the index. Host only.
         """
+        if request_ids is None:
+            self._num_written[:] = self._num_computed
+            return
         slots = self._slots(request_ids)
         self._num_written[slots] = self._num_computed[slots]
 
