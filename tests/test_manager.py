@@ -375,3 +375,19 @@ def test_sampled_tokens_say_the_step_ran():
     mgr.free("c")  # no token, no mark: its allocation's blocks (which replaced a's in the index) leave it
     mgr.add_request("d", [1, 2, 3, 4, 5, 6, 7])
     assert mgr.get_computed_tokens("d") == 0
+
+
+def test_requests_shorter_than_one_unit_never_hit():
+    # A state group's page enlarges the block past max_model_len (block 8, requests of at most 6 tokens): no
+    # request fills a hash unit, so nothing is indexed and lookups find nothing, without failing.
+    cfg = make_cfg(16, mamba(8), full(8), max_model_len=6, max_num_batched_tokens=8)
+    mgr = KVCacheManager(cfg, max_num_seqs=2, debug_checks=True)
+    mgr.add_request("a", [1, 2, 3, 4, 5])
+    assert mgr.get_computed_tokens("a") == 0
+    assert mgr.allocate_slots("a", 5)
+    mgr.mark_computed()
+    mgr.free("a")
+    mgr.add_request("b", [1, 2, 3, 4, 5])
+    assert mgr.get_computed_tokens("b") == 0
+    assert mgr.allocate_slots("b", 5)
+    check_invariants(cfg, mgr.state, mgr.prefix_config)

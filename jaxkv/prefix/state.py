@@ -90,8 +90,9 @@ class PrefixCacheConfig:
         return cls(unit=unit, ways=ways)
 
     def num_units(self, cfg: KVCacheConfig) -> int:
-        """U: full units of a max_model_len-token request."""
-        return cfg.max_model_len // self.unit
+        """U: full units of a max_model_len-token request; at least 1 (a column no request fills, when
+        max_model_len is shorter than a unit: an enlarged block can be longer than any request)."""
+        return max(1, cfg.max_model_len // self.unit)
 
 
 @dataclasses.dataclass(frozen=True)
