@@ -94,14 +94,14 @@ def _decode_loop(
     row stops after producing one). With `copies` (static: hits may end inside a block), the block copies an
     allocation makes (a row whose last step ended at its prompt tail moves to a copy of its state) are applied
     before the step's forward pass and released by the next allocation. Returns the state, the cache,
-    produced bool[N, R], tokens int32[N, R], logits float32[N, R, V] and the destinations int32[R G] of the
-    last step's copies, still pinned.
+    produced bool[N, R], tokens int32[N, R], logits float32[N, R, V], the destinations int32[R G] of the
+    last step's copies (still pinned) and the number of copies made.
     """
     row = req_slots < state.num_computed.shape[0]
     num_groups = len(kv_cfg.groups)
 
     def step(carry, s):
-        state, cache, token, stopped, pinned = carry
+        state, cache, token, stopped, pinned, num_copies = carry
         wanted = row & (s < remaining) & ~stopped
         state, result = st.allocate(
             state,
@@ -116,6 +116,7 @@ def _decode_loop(
             apply = jnp.any(made[:, 1] != jaxkv.NULL_BLOCK).astype(jnp.int32)  # a loop of 0 or 1 steps, in place
             cache = jax.lax.fori_loop(0, apply, lambda _, c: jaxkv.copy_blocks(c, made, cfg=kv_cfg), cache)
             pinned = made[:, 1]
+            num_copies += jnp.sum(pinned != jaxkv.NULL_BLOCK, dtype=jnp.int32)
         produced = result.ok & wanted
         meta = jaxkv.step_metadata(
             state, req_slots, produced.astype(jnp.int32), cfg=kv_cfg, num_tokens=req_slots.shape[0]
@@ -127,13 +128,13 @@ def _decode_loop(
         logits = logits[meta.query_start_loc[:-1]]
         token = jnp.where(produced, jnp.argmax(logits, axis=-1).astype(jnp.int32), token)
         stopped = stopped | (produced & (token[:, None] == eos).any(axis=1))
-        return (state, cache, token, stopped, pinned), (produced, token, logits)
+        return (state, cache, token, stopped, pinned, num_copies), (produced, token, logits)
 
     pinned = jnp.zeros(req_slots.shape[0] * num_groups, jnp.int32)
-    (state, cache, _, _, pinned), (produced, tokens, logits) = jax.lax.scan(
-        step, (state, cache, next_token, jnp.zeros_like(row), pinned), jnp.arange(num_steps)
+    (state, cache, _, _, pinned, num_copies), (produced, tokens, logits) = jax.lax.scan(
+        step, (state, cache, next_token, jnp.zeros_like(row), pinned, jnp.int32(0)), jnp.arange(num_steps)
     )
-    return state, cache, produced, tokens, logits, pinned
+    return state, cache, produced, tokens, logits, pinned, num_copies
 
 
 class ServingLoop:
@@ -176,10 +177,10 @@ class ServingLoop:
             **out_shardings(mesh, "replicated", "cache"),
         )
         copies = bool(partial_groups(kv_cfg, self.mgr.prefix_config))  # hits may end inside a block
-        self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits, pinned copies
+        self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits, pinned copies, copies made
             functools.partial(_decode_loop, graphdef, mesh, kv_cfg, self.mgr.prefix_config, copies, decode_steps),
             donate_argnums=(1, 2),
-            **out_shardings(mesh, "replicated", "cache", "replicated", "replicated", "replicated", "replicated"),
+            **out_shardings(mesh, "replicated", "cache", *["replicated"] * 5),
         )
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
@@ -339,13 +340,13 @@ class ServingLoop:
         eos = np.full((num_rows, max(1, *(len(r.eos_token_ids) for r in self.running))), -1, np.int32)
         for i, r in enumerate(self.running):
             eos[i, : len(r.eos_token_ids)] = r.eos_token_ids
-        state, self.cache, produced, tokens, logits, pinned = self._decode_loop(
+        state, self.cache, produced, tokens, logits, pinned, num_copies = self._decode_loop(
             self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining, eos
         )
         produced, tokens, pinned = np.asarray(produced), np.asarray(tokens), np.asarray(pinned)
         logits = np.asarray(logits) if self.record_logits else None
         self.mgr.adopt_state(state, [r.request_id for r in self.running], pinned_copies=pinned)
-        self.stats.block_copies += int((pinned != jaxkv.NULL_BLOCK).sum())
+        self.stats.block_copies += int(num_copies)
         self.stats.device_loops += 1
         self.stats.steps += self.decode_steps
         stalled = False
