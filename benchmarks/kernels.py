@@ -61,6 +61,10 @@ ATTENTION_CASES = {
         dtype="bfloat16",
     ),
     "layer-outer-f32": AttentionCase(block_size=8, q_lens=(6, 1), seq_lens=(20, 12), sliding_window=9, layout="LBHNC"),
+    # Speculative verification: 5 queries a row (the last token and 4 drafts), a window shorter than them.
+    "verify-k4-window-f32": AttentionCase(
+        block_size=4, q_lens=(5, 5, 5, 5), seq_lens=(5, 10, 13, 26), max_blocks=7, sliding_window=6
+    ),
     # gpt-oss: a sink logit per query head, GQA, a short window.
     "sinks-window-gqa4-f32": AttentionCase(
         block_size=16,

@@ -116,6 +116,29 @@ def test_bfloat16_with_soft_cap_and_gqa(sinks):
     _check(case)
 
 
+@pytest.mark.parametrize(
+    "window",
+    [{}, {"sliding_window": 6}, {"attention_chunk_size": 8}],
+    ids=["full", "window-6", "chunk-8"],
+)
+def test_speculative_verification_batches(window):
+    # Speculative decoding's verification pass: each row computes its last token and k = 4 draft tokens, 5
+    # queries (issue 15). Blocks of 4: the rows' drafts start inside a block, at a block start, and run past one
+    # or two block boundaries; the window of 6 is shorter than a row's queries plus a block, and the chunk
+    # boundary at 8 (or 24) falls among the drafts of rows 1 and 3.
+    case = AttentionCase(
+        block_size=4,
+        group_size=4,
+        num_kv_heads=2,
+        q_lens=(5, 5, 5, 5),
+        seq_lens=(5, 10, 13, 26),
+        max_blocks=7,
+        num_padding_tokens=2,
+        **window,
+    )
+    _check(case)
+
+
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
 def test_padding_tokens_are_zero(sinks):
     case = AttentionCase(q_lens=(3, 0), seq_lens=(5, 4), num_padding_tokens=4, sinks=sinks)
