@@ -161,8 +161,10 @@ def main(argv=None) -> int:
         if checkpoint.text.model_type == "qwen3_next" and args.tp > 1:
             raise SystemExit(f"{args.checkpoint}: the Qwen3-Next example runs on one device; drop --tp {args.tp}")
         model = load_model(checkpoint, args.dtype)
+        # Qwen3-Next's recurrent state stays float32 whatever the weights, as transformers keeps it.
+        ssm = {"mamba_ssm_dtype": "float32"} if checkpoint.text.model_type == "qwen3_next" else {}
         specs = jaxkv.specs_from_hf_config(
-            checkpoint.config, dtype=model.embed_tokens[...].dtype, block_size=args.block_size
+            checkpoint.config, dtype=model.embed_tokens[...].dtype, block_size=args.block_size, **ssm
         )
         eos_token_ids = () if args.ignore_eos else checkpoint.eos_token_ids
         vocab_size = checkpoint.text.vocab_size

@@ -10,6 +10,7 @@ Multimodal configs (gemma3, gemma3n, llama4) are read from their `text_config`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 from jaxkv.planner.specs import (
@@ -113,7 +114,9 @@ def text_fields(config_dict: Mapping) -> dict:
     return {**TRANSFORMERS_DEFAULTS.get(config_dict.get("model_type"), {}), **text}
 
 
-def specs_from_hf_config(config_dict: Mapping, *, dtype="bfloat16", block_size: int | None = None) -> Layers:
+def specs_from_hf_config(
+    config_dict: Mapping, *, dtype="bfloat16", block_size: int | None = None, mamba_ssm_dtype=None
+) -> Layers:
     """Layer name → spec (or shared layer's owner name) for a Hugging Face config.
 
     Args:
@@ -123,9 +126,19 @@ def specs_from_hf_config(config_dict: Mapping, *, dtype="bfloat16", block_size: 
       block_size: tokens per block; None means 16 (64 for DeepSeek-V3.2). Qwen3-Next
         raises its attention block size to a multiple of it whose page covers one
         linear-attention state, and pads the state to that page, as vLLM does.
+      mamba_ssm_dtype: the dtype of Qwen3-Next's recurrent state; None means `dtype` (vLLM's
+        "auto"). transformers keeps that state in float32 whatever the weights: "float32" matches
+        it (vLLM's `--mamba-ssm-cache-dtype float32`). The conv state keeps `dtype`.
     """
     model_type = config_dict.get("model_type")
     builder = _BUILDERS.get(model_type)
+    if mamba_ssm_dtype is not None:
+        if model_type != "qwen3_next":
+            raise ValueError(
+                f"mamba_ssm_dtype={mamba_ssm_dtype!r} given, but model_type={model_type!r} has no recurrent state; "
+                "drop it"
+            )
+        builder = functools.partial(_qwen3_next, ssm_dtype=mamba_ssm_dtype)
     if builder is None:
         raise ValueError(
             f"model_type={model_type!r} is not supported by specs_from_hf_config; supported: "
@@ -231,8 +244,9 @@ def _llama4(cfg: _Config, dtype, block_size) -> Layers:
     }
 
 
-def _qwen3_next(cfg: _Config, dtype, block_size) -> Layers:
-    """Gated DeltaNet layers hold a conv state and a recurrent state; every 4th layer is full attention."""
+def _qwen3_next(cfg: _Config, dtype, block_size, ssm_dtype=None) -> Layers:
+    """Gated DeltaNet layers hold a conv state and a recurrent state (of `ssm_dtype`, default `dtype`); every
+    4th layer is full attention."""
     interval = cfg.get("full_attention_interval", 4)
     types = cfg.layer_types(lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention")
     num_k, num_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
@@ -241,7 +255,7 @@ def _qwen3_next(cfg: _Config, dtype, block_size) -> Layers:
     state = MambaSpec(
         block_size=1,
         shapes=((cfg["linear_conv_kernel_dim"] - 1, conv_dim), (num_v, head_v, head_k)),
-        dtypes=(dtype, dtype),
+        dtypes=(dtype, dtype if ssm_dtype is None else ssm_dtype),
     )
     align = block_size or DEFAULT_BLOCK_SIZE
     one_token = FullAttentionSpec(**cfg.attention(dtype, 1)).page_size_bytes

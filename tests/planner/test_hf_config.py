@@ -101,6 +101,18 @@ def test_qwen3_next_state_layers_beside_full_attention_share_one_page():
     assert cfg.blocks_per_request == (1, 1, 1, 61)
 
 
+def test_qwen3_next_recurrent_state_in_float32_beside_bfloat16():
+    # transformers keeps the recurrent state in float32 (vLLM: --mamba-ssm-cache-dtype float32): the state page
+    # grows to (3 · 8192 · 2 + 32 · 128 · 128 · 4) B, and the attention block with it.
+    layers = specs_from_hf_config(load("qwen3_next_80b"), mamba_ssm_dtype="float32")
+    state, attn = layers["model.layers.0.linear_attn"], layers["model.layers.3.self_attn.attn"]
+    assert state.dtypes == ("bfloat16", "float32") and attn.dtype == "bfloat16"
+    assert state.real_page_size_bytes == 3 * 8192 * 2 + 32 * 128 * 128 * 4 == 2_146_304
+    assert attn.block_size == 1056 and attn.page_size_bytes == 1056 * 2048 == state.page_size_bytes
+    with pytest.raises(ValueError, match="model_type='llama' has no recurrent state"):
+        specs_from_hf_config(load("llama3_8b"), mamba_ssm_dtype="float32")
+
+
 def test_deepseek_v32_latent_and_indexer_share_one_block_table():
     layers = specs_from_hf_config(load("deepseek_v32"))
     mla, idx = layers["model.layers.0.self_attn.attn"], layers["model.layers.0.self_attn.indexer.k_cache"]
