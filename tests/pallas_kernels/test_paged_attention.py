@@ -123,9 +123,9 @@ def test_bfloat16_with_soft_cap_and_gqa(sinks):
 )
 def test_speculative_verification_batches(window):
     # Speculative decoding's verification pass: each row computes its last token and k = 4 draft tokens, 5
-    # queries (issue 15). Blocks of 4: the rows' drafts start inside a block, at a block start, and run past one
-    # or two block boundaries; the window of 6 is shorter than a row's queries plus a block, and the chunk
-    # boundary at 8 (or 24) falls among the drafts of rows 1 and 3.
+    # queries (issue 15). Blocks of 4: each row's queries start at a block start (rows 0, 2) or inside a block
+    # (rows 1, 3) and run past a block boundary; the window of 6 is shorter than a row's queries plus a block, and
+    # the chunk boundaries at 8 and 24 fall among the queries of rows 1 and 3.
     case = AttentionCase(
         block_size=4,
         group_size=4,
