@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxkv.core import state as st
 from jaxkv.core.invariants import check_invariants
-from jaxkv.core.step import StepBatch, StepWork, allocate_step, walk_units
+from jaxkv.core.step import StepBatch, StepWork, allocate_step, rollback_ranges, walk_units
 from jaxkv.metadata import StepMetadata, step_metadata
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK, cdiv
@@ -78,10 +78,11 @@ def _walk_size(num_entries: int) -> int | None:
     return next((size for size in _WALK_SIZES if num_entries <= size), None)
 
 
-def _allocate_packed(state, rows, slot_counts, free_rows, uploads, released=None, *, cfg, prefix, work):
+def _allocate_packed(state, rows, slot_counts, free_rows, uploads, released=None, spec=None, *, cfg, prefix, work):
     """`step.allocate_step` with the row arrays packed as int32[5, R] (slots, new tokens, full tokens, hit
     tokens, shared tokens; with `released` copies, a sixth row: prompt tokens), the requests to free as
-    int32[F] slots (their steps ran) or int32[2, F] (slots, tokens written) or None, and the result packed as
+    int32[F] slots (their steps ran) or int32[2, F] (slots, tokens written) or None, the rows' rejected
+    tokens and lookahead slots int32[2, R] or None, and the result packed as
     int32[R + 3 + 2 R G] (ok flags, num_free_blocks, hit tokens claimed, unplanned entries, the rows' first
     live indices and cached blocks [R, G]; with `released`, then the copies int32[R × G × 3]): one argument
     and one transfer instead of several."""
@@ -98,6 +99,8 @@ def _allocate_packed(state, rows, slot_counts, free_rows, uploads, released=None
         hash_uploads=uploads,
         released_copies=released,
         slot_counts=slot_counts,
+        num_rejected_tokens=None if spec is None else spec[0],
+        num_lookahead_tokens=None if spec is None else spec[1],
     )
     state, result = allocate_step(state, batch, cfg=cfg, prefix=prefix, work=work)
     out = [
@@ -115,10 +118,12 @@ def _set_counts(state, slot_counts):
     return dataclasses.replace(state, num_computed=jnp.asarray(slot_counts, jnp.int32))
 
 
-def _lookup_packed(state, keys, rows, *, cfg, prefix):
+def _lookup_packed(state, keys, rows, *, cfg, prefix, drop_last_block):
     """`st._lookup` with rows packed as int32[2, R] (keys given, tokens); result int32[2R + 4] (hits, shared
     lengths, then the stats: lookups, tokens, hit tokens, reconciliation misses)."""
-    hits, shared, stats = st._lookup(state, keys, rows[0], rows[1], cfg=cfg, prefix=prefix)
+    hits, shared, stats = st._lookup(
+        state, keys, rows[0], rows[1], cfg=cfg, prefix=prefix, drop_last_block=drop_last_block
+    )
     return jnp.concatenate(
         [
             hits,
@@ -138,7 +143,7 @@ def _store_hashes(state, uploads):
 
 
 @functools.cache
-def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
+def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None, use_eagle: bool):
     """The transitions with `cfg` bound (not hashed per call), shared by managers of one config, and the
     set of specialised allocation programs compiled. The allocation is compiled once per work signature
     (`step.StepWork`, static) and shape; at most MAX_PROGRAMS specialised ones."""
@@ -148,7 +153,7 @@ def _jitted(cfg: KVCacheConfig, prefix: PrefixCacheConfig | None):
         donate_argnames=("state",),
     )
     free = jax.jit(functools.partial(st._free, cfg=cfg, prefix=prefix), donate_argnames=("state",))
-    lookup = jax.jit(functools.partial(_lookup_packed, cfg=cfg, prefix=prefix))
+    lookup = jax.jit(functools.partial(_lookup_packed, cfg=cfg, prefix=prefix, drop_last_block=use_eagle))
     store = jax.jit(_store_hashes, donate_argnames=("state",))
     set_counts = jax.jit(_set_counts, donate_argnames=("state",))
     return allocate, free, lookup, store, set_counts, set()
@@ -175,6 +180,16 @@ class KVCacheManager:
     mappings travel to the model's device as arrays, one transfer each
     (`jax.device_put(tables, model_device)`). Keep it on the accelerator when allocation
     runs inside an on-device loop (`state.decode_steps`).
+
+    Speculative decoding (`num_speculative_tokens` > 0: at most that many draft tokens per call):
+    `allocate_slots` may schedule draft tokens past the request's known tokens, and reserve
+    `num_lookahead_tokens` more slots for a proposer; `reject_tokens` reports the drafts that
+    verification rejected. Only tokens given with `append_token_ids` are hashed, so a block holding a
+    draft is never findable; the rejected tokens' slots are reused by the next tokens, the blocks past
+    the verified ones go back to the pool at the request's next allocation, and windows release
+    blocks by the verified count. Configs with state groups refuse it (a rejected draft's state
+    overwrote the verified one). `use_eagle`: vLLM's rule for EAGLE-style drafters, under which a
+    prefix hit drops its last block in every group (`jaxkv.prefix.state.lookup`'s `drop_last_block`).
     """
 
     def __init__(
@@ -188,11 +203,25 @@ class KVCacheManager:
         hash_mode: HashMode = "jaxkv",
         specialize_steps: bool = True,
         device: jax.Device | None = None,
+        num_speculative_tokens: int = 0,
+        use_eagle: bool = False,
     ):
         if not isinstance(cfg, KVCacheConfig):
             raise TypeError(f"cfg must be a KVCacheConfig (from jaxkv.plan), got {type(cfg).__name__}")
         if int(max_num_seqs) <= 0:
             raise ValueError(f"{max_num_seqs=} must be positive")
+        if int(num_speculative_tokens) < 0:
+            raise ValueError(f"{num_speculative_tokens=} must be 0 (no speculative decoding) or positive")
+        state_groups = [g.layer_names[0] for g in cfg.groups if g.kind == "mamba"]
+        if state_groups and (num_speculative_tokens or use_eagle):
+            raise ValueError(
+                f"speculative decoding ({num_speculative_tokens=}, {use_eagle=}) on a config with state "
+                f"(Mamba / linear-attention) groups ({', '.join(state_groups[:3])}, ...): a rejected draft's "
+                "state overwrites the verified one and jaxkv keeps one state per request (vLLM keeps one per "
+                "draft position); serve this model without speculative decoding"
+            )
+        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.use_eagle = bool(use_eagle)
         self.cfg = cfg
         self.max_num_seqs = int(max_num_seqs)
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -209,7 +238,7 @@ class KVCacheManager:
         if device is not None:
             self._state = jax.device_put(self._state, device)
         (self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn, self._programs) = (
-            _jitted(cfg, self.prefix_config)
+            _jitted(cfg, self.prefix_config, self.use_eagle)
         )
         self._tails = self.prefix_config is not None and bool(partial_groups(cfg, self.prefix_config))
         self._num_prompt = np.zeros(self.max_num_seqs, np.int64)
@@ -244,6 +273,12 @@ class KVCacheManager:
         self._freed_counts: dict[int, int] = {}  # pending frees: the count the device still holds
         self._pending_free_entries = 0  # table entries the pending frees release
         self._counts_stale = False  # rows advanced on the host only since the last dispatch
+        # Speculative decoding: tokens past each slot's host count that the device still counts (rejected
+        # drafts, lookahead slots), rolled back at its next allocation; the last allocation's draft tokens
+        # not rejected yet; its lookahead slots.
+        self._pending_reject = np.zeros(self.max_num_seqs, np.int64)
+        self._num_drafts = np.zeros(self.max_num_seqs, np.int64)
+        self._lookahead = np.zeros(self.max_num_seqs, np.int64)
         self.step_variants: dict[StepWork, int] = {}  # work signatures compiled, and how many steps ran each
         self.last_work: StepWork | None = None  # the last allocation's signature (None: no dispatch)
 
@@ -333,8 +368,10 @@ class KVCacheManager:
         slots = self._slots(request_ids)
         if self.prefix_config is None or not len(slots):
             return np.zeros(len(slots), np.int64)
-        if self._has_state_groups:
-            self._flush_frees()  # a freed request's last state block becomes findable as it is freed
+        if self._has_state_groups or not self._pending_ran():
+            # A freed request's last state block becomes findable as it is freed; the blocks of a step not
+            # known to have run leave the index.
+            self._flush_frees()
         num_units = [len(self._keys[s]) for s in slots.tolist()]
         width = _MIN_KEY_WIDTH
         while width < max(num_units):
@@ -400,15 +437,30 @@ class KVCacheManager:
         return int(self._num_computed[self._slot(request_id)])
 
     # ---- allocation ------------------------------------------------------------------------
-    def allocate_slots(self, request_id: Hashable, num_new_tokens: int, num_new_computed_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self,
+        request_id: Hashable,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> bool:
         """Makes room for `num_new_tokens` more tokens; False (nothing changed) if they do not fit.
 
         Claims the `num_new_computed_tokens` prefix-cache hit tokens first (the value
         `get_computed_tokens` just returned, on the request's first call; False if the
         hit is no longer in the cache). Releases blocks that sliding-window, chunked and
         state groups no longer need, even when it fails.
+
+        Speculative decoding (`num_speculative_tokens` > 0): `num_new_tokens` may end with up to that
+        many draft tokens past the request's known tokens, and `num_lookahead_tokens` more slots are
+        reserved after them for a proposer's own KV; both count as unverified (`reject_tokens`; the
+        lookahead slots are given back at the next call).
         """
-        return bool(self.allocate_slots_batch([request_id], [num_new_tokens], [num_new_computed_tokens])[0])
+        return bool(
+            self.allocate_slots_batch(
+                [request_id], [num_new_tokens], [num_new_computed_tokens], num_lookahead_tokens=[num_lookahead_tokens]
+            )[0]
+        )
 
     def allocate_slots_batch(
         self,
@@ -417,6 +469,7 @@ class KVCacheManager:
         num_new_computed_tokens: Sequence[int] | None = None,
         *,
         full_sequence_must_fit: bool | Sequence[bool] = False,
+        num_lookahead_tokens: Sequence[int] | None = None,
     ) -> np.ndarray:
         """`allocate_slots` for many requests in priority order, in one dispatch.
 
@@ -441,13 +494,30 @@ class KVCacheManager:
                     f"num_new_computed_tokens={hits[i]} for request {request_ids[i]!r}: it must be 0 "
                     "or the value get_computed_tokens just returned, on the request's first call"
                 )
-        over = num_computed + hits + num_new > num_tokens
+        over = num_computed + hits + num_new > num_tokens + self.num_speculative_tokens
         if over.any():
             i = int(np.flatnonzero(over)[0])
+            drafts = f" (and at most num_speculative_tokens={self.num_speculative_tokens} drafts)"
             raise ValueError(
                 f"request {request_ids[i]!r} has {num_tokens[i]} tokens, "
-                f"{num_computed[i] + hits[i]} computed: it cannot schedule {num_new[i]} more; "
-                "append the tokens first (append_token_ids)"
+                f"{num_computed[i] + hits[i]} computed: it cannot schedule {num_new[i]} more"
+                f"{drafts if self.num_speculative_tokens else ''}; append the tokens first (append_token_ids)"
+            )
+        lookahead = np.zeros(len(slots), np.int64)
+        if num_lookahead_tokens is not None and any(num_lookahead_tokens):
+            lookahead[:] = self._counts(request_ids, num_lookahead_tokens, "num_lookahead_tokens")
+            if not self.num_speculative_tokens:
+                raise ValueError(
+                    "num_lookahead_tokens given on a manager without speculative decoding; create it with "
+                    "num_speculative_tokens > 0"
+                )
+        past = num_computed + hits + num_new + lookahead > self.cfg.max_model_len
+        if past.any():
+            i = int(np.flatnonzero(past)[0])
+            raise ValueError(
+                f"request {request_ids[i]!r}: {num_computed[i] + hits[i]} computed tokens, {num_new[i]} new "
+                f"and {lookahead[i]} lookahead slots exceed max_model_len={self.cfg.max_model_len}; "
+                "schedule fewer drafts near the end"
             )
         full = np.zeros(len(slots), np.int64)
         if isinstance(full_sequence_must_fit, (bool, np.bool_)):
@@ -466,11 +536,14 @@ class KVCacheManager:
         if self.prefix_config is not None and self._num_uploads > UPLOAD_ROWS:
             self._flush_uploads()
         self._num_written[slots] = num_computed  # this call says the rows' earlier steps ran
-        work, work_rows = self._plan_step(slots, num_computed, num_new, hits, full)
+        rejected = self._take_rejections(slots)
+        work, work_rows = self._plan_step(slots, num_computed, num_new, hits, full, rejected, lookahead)
+        drafts = np.maximum(num_computed + hits + num_new - num_tokens, 0)
         if not len(work_rows) and not self._tails:
             # No row takes, releases, claims or indexes a block: the counts advance on the host only.
             # Pending frees and keys wait for the next dispatch (or a read of the state).
             self._num_computed[slots] += num_new
+            self._record_unverified(slots, drafts, lookahead)
             self._counts_stale = True
             self.last_work = None
             return np.ones(len(slots), bool)
@@ -502,9 +575,16 @@ class KVCacheManager:
             rows[5, :m] = self._num_prompt[sel_slots]
             released = np.zeros(RELEASE_ROWS, np.int32)
             released[: len(self._release[:RELEASE_ROWS])] = self._release[:RELEASE_ROWS]
+        spec = None  # a shape without rollbacks and lookahead slots (compiled apart) when no row has them
+        if rejected is not None or lookahead.any():
+            spec = np.zeros((2, num_rows), np.int32)
+            spec[0, :m] = 0 if rejected is None else rejected[work_rows]
+            spec[1, :m] = lookahead[work_rows]
         self._state, packed = self._allocate_fn(
-            self._state, rows, self._device_counts(), free_rows, uploads, released, work=work
+            self._state, rows, self._device_counts(), free_rows, uploads, released, spec, work=work
         )
+        if rejected is not None:
+            self._pending_reject[slots] = 0
         self._pending_free.clear()
         self._pending_written.clear()
         self._freed_counts.clear()
@@ -537,10 +617,56 @@ class KVCacheManager:
         self.prefix_stats["claimed_hit_tokens"] += num_hit
         self._num_computed[slots[ok]] += (num_new + hits)[ok]
         self._num_written[slots[ok]] += hits[ok]  # claimed hits hold cached content
+        self._record_unverified(slots, np.where(ok, drafts, 0), np.where(ok, lookahead, 0))
         self._check()
         return ok
 
-    def _plan_step(self, slots, num_computed, num_new, hits, full):
+    def _take_rejections(self, slots) -> np.ndarray | None:
+        """The rows' pending rollbacks (rejected drafts, the last call's lookahead slots) that release a table
+        entry, int64[R] (None: none); the others only lower the count, which the host carries: cleared now."""
+        pending = self._pending_reject[slots]
+        if not pending.any():
+            return None
+        num_computed = self._num_computed[slots][:, None]
+        _, count = rollback_ranges(
+            num_computed + pending[:, None], pending[:, None], self._first_live[slots], self._rules, xp=np
+        )
+        releases = count.sum(axis=1) > 0
+        self._pending_reject[slots[~releases]] = 0
+        self._counts_stale = self._counts_stale or bool((~releases & (pending > 0)).any())
+        return np.where(releases, pending, 0) if releases.any() else None
+
+    def _record_unverified(self, slots, drafts, lookahead) -> None:
+        """After an allocation: the rows' draft tokens (`reject_tokens` may reject them) and lookahead slots
+        (counted on the device, rolled back at the next call)."""
+        self._num_drafts[slots] = drafts
+        self._lookahead[slots] = lookahead
+        self._pending_reject[slots] += lookahead
+
+    def reject_tokens(self, request_id: Hashable, num_rejected_tokens: int) -> None:
+        """Speculative decoding: the last `num_rejected_tokens` draft tokens of the request's last allocation
+        failed verification. Its computed count drops by them (their slots take the next tokens); the
+        blocks past the verified tokens go back to the pool at its next allocation (or free). Host only."""
+        self.reject_tokens_batch([request_id], [num_rejected_tokens])
+
+    def reject_tokens_batch(self, request_ids: Sequence[Hashable], num_rejected_tokens: Sequence[int]) -> None:
+        """`reject_tokens` for many requests (a step's verification outcome)."""
+        slots = self._slots(request_ids)
+        rejected = self._counts(request_ids, num_rejected_tokens, "num_rejected_tokens")
+        over = rejected > self._num_drafts[slots]
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(
+                f"num_rejected_tokens={rejected[i]} for request {request_ids[i]!r}: its last allocation has "
+                f"{self._num_drafts[slots][i]} draft tokens not rejected yet; only drafts (scheduled past the "
+                "request's known tokens) can be rejected"
+            )
+        self._num_computed[slots] -= rejected
+        self._num_drafts[slots] -= rejected
+        self._pending_reject[slots] += rejected
+        self._num_written[slots] = np.minimum(self._num_written[slots], self._num_computed[slots])
+
+    def _plan_step(self, slots, num_computed, num_new, hits, full, rejected=None, lookahead=0):
         """The step's work signature (`step.StepWork`) and the rows with block work int[W], from the host's
         mirror of the counts.
 
@@ -560,10 +686,16 @@ class KVCacheManager:
         if any_hit:  # a hit row starts from its claim
             claim_start = st.keep_from_idx(hits[:, None], rules, xp=np)
             n, first_live = np.where(hit, hits, num_computed)[:, None], np.where(hit[:, None], claim_start, first_live)
-        _, num_released, _, need = st.allocation_ranges(n, num_new[:, None], first_live, rules, xp=np)
+        _, num_released, _, need = st.allocation_ranges(n, (num_new + lookahead)[:, None], first_live, rules, xp=np)
         need_rows, released_rows = need.sum(axis=1), num_released.sum(axis=1)
-        work = dict(take=need_rows.sum(), release=released_rows.sum())
+        work = dict(take=need_rows.sum(), release=released_rows.sum(), rollback=0)
         has_work = (need_rows > 0) | (released_rows > 0) | hit | (full > 0)
+        if rejected is not None:  # rows whose rollback releases entries (`_take_rejections`)
+            _, rollback = rollback_ranges(
+                (num_computed + rejected)[:, None], rejected[:, None], self._first_live[slots], rules, xp=np
+            )
+            work["rollback"] = rollback.sum()
+            has_work |= rejected > 0
         if self.prefix_config is not None:
             unit = self.prefix_config.unit
             units_per_block = rules.block_size // unit
@@ -595,8 +727,9 @@ class KVCacheManager:
         return work
 
     def _device_counts(self) -> np.ndarray:
-        """int32[S]: every slot's count as the device should hold it (pending frees: the freed count)."""
-        counts = self._num_computed.astype(np.int32)
+        """int32[S]: every slot's count as the device should hold it (pending rollbacks included; pending frees:
+        the freed count)."""
+        counts = (self._num_computed + self._pending_reject).astype(np.int32)
         for slot, count in self._freed_counts.items():
             counts[slot] = count
         return counts
@@ -660,14 +793,16 @@ class KVCacheManager:
         """
         slots = self._slots(request_ids)
         # Requests with nothing computed hold no block; their keys on the device must go too.
-        holding = slots[(self._num_computed[slots] > 0) | (self._num_uploaded[slots] > 0)]
+        device_counts = self._num_computed[slots] + self._pending_reject[slots]  # rejected drafts still held
+        holding = slots[(device_counts > 0) | (self._num_uploaded[slots] > 0)]
         if holding.size:
+            counts = self._num_computed[holding] + self._pending_reject[holding]
+            written = self._num_written[holding]
             self._pending_free.extend(holding.tolist())
-            self._pending_written.extend(self._num_written[holding].tolist())
-            self._freed_counts.update(zip(holding.tolist(), self._num_computed[holding].tolist()))
-            _, count, _ = st.held_ranges(
-                self._num_computed[holding][:, None], self._first_live[holding], self._rules, xp=np
-            )
+            # A rollback not applied yet does not make the verified step unknown.
+            self._pending_written.extend(np.where(written >= self._num_computed[holding], counts, written).tolist())
+            self._freed_counts.update(zip(holding.tolist(), counts.tolist()))
+            _, count, _ = st.held_ranges(counts[:, None], self._first_live[holding], self._rules, xp=np)
             self._pending_free_entries += int(count.sum())
             self._num_free_blocks = None  # known again after the next dispatch (or a read)
         for request_id, slot in zip(request_ids, slots.tolist()):
@@ -680,6 +815,7 @@ class KVCacheManager:
             self._num_uploads = sum(len(self._keys[s]) - first for s, first in self._uploads.items())
         self._num_tokens[slots] = 0
         self._num_computed[slots] = 0
+        self._pending_reject[slots] = self._num_drafts[slots] = self._lookahead[slots] = 0
         self._num_uploaded[slots] = 0
         self._num_keys[slots] = 0
         self._first_live[slots] = 0
@@ -782,20 +918,31 @@ class KVCacheManager:
     def take_state(self) -> st.ManagerState:
         """Hands the device state to a jitted loop that donates it (e.g. on-device decode steps).
 
-        The manager holds no state until `adopt_state` gives the loop's result back.
+        The manager holds no state until `adopt_state` gives the loop's result back. Rejected drafts
+        are rolled back first (an allocation of no tokens for their requests), so every count in the
+        state is verified.
         """
+        pending = [rid for rid, slot in self._slot_of.items() if self._pending_reject[slot]]
+        if pending:
+            self.allocate_slots_batch(pending, [0] * len(pending))
         state = self.state
         self._state = None
         return state
 
     def adopt_state(
-        self, state: st.ManagerState, request_ids: Sequence[Hashable], pinned_copies: Sequence[int] = ()
+        self,
+        state: st.ManagerState,
+        request_ids: Sequence[Hashable],
+        pinned_copies: Sequence[int] = (),
+        num_rejected_tokens: Sequence[int] | None = None,
     ) -> None:
         """Takes back a state that a jitted loop advanced for `request_ids` (see `take_state`).
 
         `pinned_copies`: destinations of block copies the loop's last allocation made and the loop
         applied (`AllocateResult.copies`); the manager's next allocation releases their pins (NULL_BLOCK
-        entries are ignored).
+        entries are ignored). `num_rejected_tokens` (speculative decoding): per request, the tokens at
+        the end of its count in `state` that the loop's last verification rejected; the request's next
+        allocation rolls them back.
 
         The loop may only have allocated tokens for these requests, and ran the forward pass of
         each step it allocated (what the steps wrote counts as written); the host's count of
@@ -809,8 +956,13 @@ class KVCacheManager:
         num_computed, first_live, num_free = jax.device_get(
             (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
         )
-        self._num_computed[slots] = num_computed
-        self._num_written[slots] = num_computed  # the loop ran each step it allocated
+        rejected = np.zeros(len(slots), np.int64)
+        if num_rejected_tokens is not None:
+            rejected[:] = self._counts(request_ids, num_rejected_tokens, "num_rejected_tokens")
+        self._num_computed[slots] = num_computed - rejected
+        self._num_written[slots] = num_computed - rejected  # the loop ran each step it allocated
+        self._pending_reject[slots] = rejected
+        self._num_drafts[slots] = self._lookahead[slots] = 0
         self._first_live[slots] = first_live
         if state.prefix is not None:
             self._num_cached[slots] = jax.device_get(state.prefix.num_cached_blocks[:, slots].T)
@@ -832,14 +984,23 @@ class KVCacheManager:
     def slot_mappings(
         self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int], num_tokens: int
     ) -> jax.Array:
-        """int32[G, T] on device: slots of the tokens just allocated (T = `num_tokens`, padded with −1).
+        """int32[G, T] on device: slots of the tokens just allocated (T = `num_tokens`, padded with −1);
+        lookahead slots, which follow them, are left out. Call it before `reject_tokens`.
 
         Raises if block copies were not taken (`take_block_copies`)."""
         self._check_copies_taken()
         num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
         if num_new.sum() > num_tokens:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
-        return st.slot_mappings(self.state, self._slots(request_ids), num_new, cfg=self.cfg, num_tokens=num_tokens)
+        slots = self._slots(request_ids)
+        return st.slot_mappings(
+            self.state, slots, num_new, self._lookahead_of(slots), cfg=self.cfg, num_tokens=num_tokens
+        )
+
+    def _lookahead_of(self, slots, num_rows: int | None = None) -> np.ndarray | None:
+        """int32[R] the rows' lookahead slots (padded to `num_rows`), None if no row has one."""
+        lookahead = self._lookahead[slots]
+        return None if not lookahead.any() else self._pad(lookahead, num_rows or len(slots), 0)
 
     def step_metadata(
         self,
@@ -853,6 +1014,7 @@ class KVCacheManager:
         (`jaxkv.metadata.StepMetadata`, on device): block tables, slot mappings, `seq_lens`,
         `query_start_loc` and positions, the tokens packed in request order into T = `num_tokens`
         entries, the rows padded to `num_rows` (default `max_num_seqs`: one shape for every step).
+        Lookahead slots are left out. Call it before `reject_tokens`.
 
         Raises if block copies were not taken (`take_block_copies`)."""
         self._check_copies_taken()
@@ -862,10 +1024,12 @@ class KVCacheManager:
             raise ValueError(f"{num_rows=} cannot hold the {len(request_ids)} requests")
         if num_new.sum() > num_tokens:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
+        slots = self._slots(request_ids)
         return _step_metadata(
             self.state,
-            self._pad(self._slots(request_ids), num_rows, self.max_num_seqs),
+            self._pad(slots, num_rows, self.max_num_seqs),
             self._pad(num_new, num_rows, 0),
+            self._lookahead_of(slots, num_rows),
             cfg=self.cfg,
             num_tokens=num_tokens,
         )

@@ -64,22 +64,31 @@ jax.tree_util.register_dataclass(
 
 
 def step_metadata(
-    state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCacheConfig, num_tokens: int
+    state: ManagerState,
+    req_slots,
+    num_new_tokens,
+    num_lookahead_tokens=None,
+    *,
+    cfg: KVCacheConfig,
+    num_tokens: int,
 ) -> StepMetadata:
     """The metadata of the step that just allocated `num_new_tokens` int32[R] tokens for the rows
     `req_slots` int32[R] (S marks padding), packed into T = `num_tokens` entries. Pure; call it
-    after the allocation, with the same rows (inside jit, `cfg` and `num_tokens` static)."""
+    after the allocation, with the same rows (inside jit, `cfg` and `num_tokens` static).
+    `num_lookahead_tokens` int32[R] or None: lookahead slots the allocation reserved after the
+    scheduled tokens (not part of this step: `seq_lens` ends before them)."""
     num_slots = state.num_computed.shape[0]
     row = (req_slots >= 0) & (req_slots < num_slots)
     k = jnp.where(row, num_new_tokens, 0).astype(jnp.int32)
-    seq_lens = jnp.where(row, state.num_computed[jnp.where(row, req_slots, 0)], 0)
+    lookahead = 0 if num_lookahead_tokens is None else num_lookahead_tokens
+    seq_lens = jnp.where(row, state.num_computed[jnp.where(row, req_slots, 0)] - lookahead, 0)
     query_start_loc = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(k, dtype=jnp.int32)])
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     token_row = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right"), k.shape[0] - 1)
     real = token < query_start_loc[-1]
     positions = jnp.where(real, seq_lens[token_row] - query_start_loc[token_row + 1] + token, 0)
     return StepMetadata(
-        slot_mapping=_slot_mappings(state, req_slots, k, cfg=cfg, num_tokens=num_tokens),
+        slot_mapping=_slot_mappings(state, req_slots, k, num_lookahead_tokens, cfg=cfg, num_tokens=num_tokens),
         block_tables=_block_tables(state, req_slots),
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,

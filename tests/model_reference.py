@@ -143,14 +143,18 @@ class ModelState:
         num_hit_tokens=None,
         num_prompt_tokens=None,
         num_shared_tokens=None,
+        num_lookahead_tokens=None,
     ) -> list[bool]:
         """vLLM's sequential outcome: row by row, gate (before the row's release), release,
         take if it fits; stop at the first failure. The takes happen after all releases.
 
-        With a prefix cache, `self.last_copies` holds the call's copies {(row, group): (src, dst, tokens)}."""
+        With a prefix cache, `self.last_copies` holds the call's copies {(row, group): (src, dst, tokens)}.
+        `num_lookahead_tokens`: slots taken after the new tokens, never cached."""
+        lookahead = num_lookahead_tokens or [0] * len(slots)
+        num_new_tokens = [k + d for k, d in zip(num_new_tokens, lookahead)]
         if self.prefix is not None:
             return self._allocate_cached(
-                slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens
+                slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, lookahead
             )
         num_free, num_taken, ok, released = self.num_free_blocks, 0, [], []
         for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
@@ -226,6 +230,21 @@ class ModelState:
                 self.prompt_len[s] = 0
                 for g in range(len(self.groups)):
                     self.num_cached[g][s] = 0
+
+    def roll_back(self, slots, num_rejected) -> None:
+        """Speculative decoding: each slot's last `num_rejected` tokens were rejected drafts; its count
+        drops to the verified tokens and each group's entries past their blocks are released, tail first
+        (done at the start of the slot's next allocation, after the frees)."""
+        for s, r in zip(slots, num_rejected):
+            if r == 0:
+                continue
+            n = self.num_computed[s] - r
+            assert n >= 0, f"model: slot {s} rolls back {r} of {self.num_computed[s]} tokens"
+            for g, group in enumerate(self.groups):
+                assert group.kind != "mamba", "model: a state group cannot roll back"
+                bs = group.block_size
+                self._release_range(g, s, max(self.first_live[g][s], cdiv(n, bs)), cdiv(self.num_computed[s], bs))
+            self.num_computed[s] = n
 
     # ---- prefix cache ------------------------------------------------------------------------
     def set_hashes(self, slot: int, keys) -> None:
@@ -323,11 +342,24 @@ class ModelState:
         if fields:
             self._cache(self.hashes[s][n // self.prefix.unit - 1], fields)
 
-    def lookup(self, keys, num_tokens: int) -> tuple[int, int]:
+    def lookup(self, keys, num_tokens: int, drop_last_block: bool = False) -> tuple[int, int]:
         """The hit for a request with unit keys `keys` and `num_tokens` tokens (vLLM's fixed point),
-        and its shared length (the full-attention groups' own longest hit; the hit without them)."""
+        and its shared length (the full-attention groups' own longest hit; the hit without them).
+
+        `drop_last_block` (EAGLE): every group drops the hit's last block, then the groups agree again:
+        the longest hit valid for every group at most the usual one less the largest block size."""
+        hit, shared = self._lookup(keys, num_tokens, None)
+        if drop_last_block and hit:
+            hit = self._lookup(keys, num_tokens, hit - max(g.block_size for g in self.groups))[0]
+        return hit, shared
+
+    def _lookup(self, keys, num_tokens: int, max_hit: int | None) -> tuple[int, int]:
         keys = [tuple(int(w) for w in key) for key in keys]
         bound = min(max(num_tokens - 1, 0), len(keys) * self.prefix.unit)
+        if max_hit is not None:
+            if max_hit <= 0:
+                return 0, 0
+            num_tokens, bound = max_hit + 1, min(bound, max_hit)
         cached = []
         for g, group in enumerate(self.groups):
             bs = group.block_size
@@ -366,7 +398,7 @@ class ModelState:
         return hit, max(own, default=hit)
 
     def _allocate_cached(
-        self, slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens
+        self, slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, lookahead
     ) -> list[bool]:
         num_groups = len(self.groups)
         u = self.prefix.unit
@@ -500,7 +532,7 @@ class ModelState:
             # A partially indexed tail block that the scheduled tokens fill leaves the index.
             if not ok[i]:
                 continue
-            tail, hashed_len = self.tail(s), len(self.hashes[s]) * u
+            tail, hashed_len = self.tail(s), min(len(self.hashes[s]) * u, self.num_computed[s] - lookahead[i])
             for g in self.partial:
                 bs = self.groups[g].block_size
                 j = tail // bs
@@ -521,7 +553,7 @@ class ModelState:
             if not ok[i]:
                 continue
             # One entry per block-end unit, in unit order, holding the groups' blocks that end there.
-            hashed_len = len(self.hashes[s]) * self.prefix.unit
+            hashed_len = min(len(self.hashes[s]) * self.prefix.unit, self.num_computed[s] - lookahead[i])
             by_unit: dict[int, dict[int, int]] = {}
             for g, group in enumerate(self.groups):
                 if group.kind == "mamba":

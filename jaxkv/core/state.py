@@ -339,6 +339,7 @@ def _allocate(
     released_copies=None,
     num_shared_tokens=None,
     free_num_written=None,
+    num_rejected_tokens=None,
     *,
     cfg: KVCacheConfig,
     chunk_sizes: tuple[int, ...] | None = None,
@@ -361,6 +362,7 @@ def _allocate(
         free_num_written=free_num_written,
         hash_uploads=hash_uploads,
         released_copies=released_copies,
+        num_rejected_tokens=num_rejected_tokens,
     )
     return allocate_step(state, batch, cfg=cfg, prefix=prefix, chunk_sizes=chunk_sizes)
 
@@ -450,11 +452,14 @@ def _free(
     return _release_ranges(state, ranges, sizes)
 
 
-def _slot_mappings(state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCacheConfig, num_tokens: int):
+def _slot_mappings(
+    state: ManagerState, req_slots, num_new_tokens, num_lookahead_tokens=None, *, cfg: KVCacheConfig, num_tokens: int
+):
     """int32[G, T]: `block_id × block_size + offset` of each scheduled token, per group.
 
     Call after `allocate` with the same rows: row r's tokens are positions
-    [num_computed − num_new_tokens, num_computed), packed in row order into T =
+    [end − num_new_tokens, end), end = num_computed − num_lookahead_tokens (int32[R] or None: 0;
+    lookahead slots reserved after the scheduled tokens), packed in row order into T =
     `num_tokens` entries; padding entries and state (mamba) groups hold −1 (a
     state layer reads and writes the block at `(num_computed − 1) // block_size`).
     """
@@ -466,7 +471,8 @@ def _slot_mappings(state: ManagerState, req_slots, num_new_tokens, *, cfg: KVCac
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     r = jnp.minimum(jnp.searchsorted(ends, token, side="right"), k.shape[0] - 1)
     slot = jnp.where(row[r], req_slots[r], 0)
-    pos = state.num_computed[slot] - ends[r] + token  # [T]
+    end = state.num_computed[slot] - (0 if num_lookahead_tokens is None else num_lookahead_tokens[r])
+    pos = end - ends[r] + token  # [T]
     bs = rules.block_size[:, None]  # [G, 1]
     idx = pos[None, :] // bs
     block = state.block_tables[jnp.arange(num_groups)[:, None], slot[None, :], jnp.minimum(idx, max_blocks - 1)]
@@ -521,23 +527,34 @@ def _lookup(
     cfg: KVCacheConfig,
     prefix: ps.PrefixCacheConfig | None = None,
     chunk_sizes: tuple[int, ...] | None = None,
+    drop_last_block: bool = False,
 ):
     """The longest prefix-cache hit of each request, valid for every group; changes nothing.
 
     keys: uint32[R, X, 4] the requests' unit keys; num_keys: int32[R] (0: padding row);
     num_tokens: int32[R]. Returns (hit_len int32[R], shared_len int32[R], PrefixStats). See
-    `jaxkv.prefix.state.lookup`. Jitted as `lookup` (config, prefix config, chunk sizes static).
+    `jaxkv.prefix.state.lookup` (`drop_last_block`: the EAGLE rule). Jitted as `lookup` (config,
+    prefix config, chunk sizes and the rule static).
     """
     if state.prefix is None:
         raise ValueError("lookup needs a state with a prefix cache (init_state(..., prefix=...))")
     prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
     sizes = chunk_sizes or default_chunk_sizes(cfg, keys.shape[0])
-    return ps.lookup(state.prefix.index, keys, num_keys, num_tokens, cfg=cfg, prefix=prefix, chunk_sizes=sizes)
+    return ps.lookup(
+        state.prefix.index,
+        keys,
+        num_keys,
+        num_tokens,
+        cfg=cfg,
+        prefix=prefix,
+        chunk_sizes=sizes,
+        drop_last_block=drop_last_block,
+    )
 
 
 allocate = jax.jit(_allocate, static_argnames=("cfg", "chunk_sizes", "prefix"), donate_argnames=("state",))
 free = jax.jit(_free, static_argnames=("cfg", "chunk_sizes", "prefix"), donate_argnames=("state",))
-lookup = jax.jit(_lookup, static_argnames=("cfg", "prefix", "chunk_sizes"))
+lookup = jax.jit(_lookup, static_argnames=("cfg", "prefix", "chunk_sizes", "drop_last_block"))
 slot_mappings = jax.jit(_slot_mappings, static_argnames=("cfg", "num_tokens"))
 block_tables = jax.jit(_block_tables)
 decode_steps = jax.jit(

@@ -3,8 +3,8 @@
 Dimensions: R rows of the step, G groups, S request slots, M max blocks per request, F freed
 requests, X uploaded unit keys, C released copies.
 
-    sync counts ─ free ─ store keys ─ claim hits ─ gate rows ─ release behind windows ─ take blocks
-                ─ place tails ─ index filled blocks
+    sync counts ─ free ─ store keys ─ roll back rejected drafts ─ claim hits ─ gate rows
+                ─ release behind windows ─ take blocks ─ place tails ─ index filled blocks
 
 `StepBatch` holds the step's arrays; a part the step does not have is None, and its phase is
 absent from the compiled program. `StepWork`, static, is the step's work signature: for each walk
@@ -14,6 +14,16 @@ loop (`jaxkv.core.ranges.in_chunks`). Any signature gives the same state; `StepW
 sized at run time) is the full program. Entries a signature did not plan for (a walk left out, or
 more than its bound) are not walked; they are reported in `StepResult.num_unplanned`, which must be 0
 (a caller whose mirror of the counts is wrong has a bug; the manager raises).
+
+Speculative decoding: a row's `num_new_tokens` may end with draft tokens that the step's forward pass
+verifies, and `num_lookahead_tokens` slots may follow them for a proposer (taken, counted, never
+indexed). The row's next step reports the rejected ones and the lookahead slots (`num_rejected_tokens`):
+its count drops by them before anything else, and its attention groups release the table entries past
+the verified tokens (they hold no verified token, so no other request holds them and none is indexed).
+Everything else then follows the verified count: window releases, new blocks, indexing. Only verified
+tokens have keys (a host hashes the tokens the model produced), so a block holding a draft is never
+indexed. State (Mamba) groups cannot roll back (the state of a rejected draft overwrote the verified
+one): a step with rejections on such a config raises.
 
 With a prefix cache (`state.prefix`) the rows are vLLM's row-by-row outcome with hits claimed first:
 
@@ -100,6 +110,12 @@ class StepBatch:
     slot_counts:       int32[S] every slot's computed tokens as the host counts them; they replace
                        the state's first (a host may leave out rows whose only work is to advance
                        their count, and carry the count itself)
+    num_rejected_tokens: int32[R] (speculative decoding) tokens at the end of each row's count that
+                       its verification rejected (drafts and lookahead slots of its last allocation):
+                       rolled back first
+    num_lookahead_tokens: int32[R] (speculative decoding) slots reserved after each row's new tokens
+                       for a proposer's own KV: taken and counted with them, never indexed (roll them
+                       back with the row's next step)
     """
 
     req_slots: jax.Array
@@ -113,6 +129,8 @@ class StepBatch:
     hash_uploads: jax.Array | None = None
     released_copies: jax.Array | None = None
     slot_counts: jax.Array | None = None
+    num_rejected_tokens: jax.Array | None = None
+    num_lookahead_tokens: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in dataclasses.fields(StepBatch)], meta_fields=[])
@@ -137,6 +155,7 @@ class StepWork:
     take:    table entries given new blocks
     claim:   block-end units the hit claims walk
     index:   block-end units the caching of filled blocks walks
+    rollback: table entries past the verified tokens that rejected drafts release
     """
 
     free: int | None = None
@@ -144,6 +163,7 @@ class StepWork:
     take: int | None = None
     claim: int | None = None
     index: int | None = None
+    rollback: int | None = None
 
     def sizes(self, name: str, chunk_sizes: tuple[int, ...]):
         bound = getattr(self, name)
@@ -179,7 +199,8 @@ class _Context:
 class _Rows:
     """The rows' view of a step, as the phases derive it (traced arrays; [R, 1] or [R, G]).
 
-    row, slots, scatter_slots: from `state._rows`; n, k: tokens computed before, new; first_call;
+    row, slots, scatter_slots: from `state._rows`; n, k: tokens computed before, new (lookahead slots
+    included); lookahead: those slots (never indexed); first_call;
     hit (asked), hit_ok (claimed), hit_len, claim_start, claim_count; partial, cow, tail_src
     (hits inside a block); first_live, keep, num_released, first_new, need: `allocation_ranges`;
     num_taken_free: claimed blocks that were free; ok, releasing: the gate's outcome.
@@ -191,6 +212,7 @@ class _Rows:
     n: jax.Array
     k: jax.Array
     first_call: jax.Array
+    lookahead: jax.Array | int = 0
     hit: jax.Array = None
     hit_ok: jax.Array = None
     hit_len: jax.Array = None
@@ -273,6 +295,38 @@ def store_keys(state: ManagerState, batch: StepBatch, ctx: _Context) -> ManagerS
     return dataclasses.replace(state, prefix=prefix)
 
 
+def rollback_ranges(num_computed, num_rejected, first_live, rules: GroupRules, xp=jnp):
+    """(start, count) int[R, G]: the table entries a rollback of `num_rejected` [R, 1] of
+    `num_computed` [R, 1] tokens releases: past the verified tokens' blocks, from the first live one.
+    `xp`: jax.numpy on device, numpy on the host's mirror."""
+    start = xp.maximum(first_live, -(-(num_computed - num_rejected) // rules.block_size))
+    return start, xp.maximum(-(-num_computed // rules.block_size) - start, 0)
+
+
+def roll_back(state: ManagerState, batch: StepBatch, ctx: _Context):
+    """Rows with rejected tokens drop them: the count falls to the verified tokens and the attention
+    entries past them are released (tail first). Returns (state, unplanned)."""
+    if batch.num_rejected_tokens is None:
+        return state, jnp.int32(0)
+    if (ctx.rules.kind == MAMBA).any():
+        raise ValueError(
+            "num_rejected_tokens given, but the config has state (Mamba / linear-attention) groups: a "
+            "rejected draft's state overwrote the verified one, and jaxkv keeps one state per request; "
+            "serve such models without speculative decoding"
+        )
+    row, slots, scatter_slots = _rows(state, batch.req_slots)
+    n = jnp.where(row, state.num_computed[slots], 0)[:, None]
+    rejected = jnp.where(row, batch.num_rejected_tokens, 0)[:, None]
+    start, count = rollback_ranges(n, rejected, state.first_live_idx[:, slots].T, ctx.rules)
+    count = jnp.where(rejected > 0, count, 0)
+    walk = ctx.walk("rollback")
+    unplanned = _unplanned(walk, jnp.sum(count))
+    if walk != 0:
+        state = _release_ranges(state, table_ranges(state.block_tables.shape, slots, start, count), walk)
+    num_computed = state.num_computed.at[scatter_slots].set((n - rejected)[:, 0], mode="drop")
+    return dataclasses.replace(state, num_computed=num_computed), unplanned
+
+
 def view_rows(state: ManagerState, batch: StepBatch) -> _Rows:
     row, slots, scatter_slots = _rows(state, batch.req_slots)
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]
@@ -281,7 +335,10 @@ def view_rows(state: ManagerState, batch: StepBatch) -> _Rows:
         slots=slots,
         scatter_slots=scatter_slots,
         n=n,
-        k=jnp.where(row, batch.num_new_tokens, 0)[:, None],
+        k=jnp.where(
+            row, batch.num_new_tokens + (0 if batch.num_lookahead_tokens is None else batch.num_lookahead_tokens), 0
+        )[:, None],
+        lookahead=0 if batch.num_lookahead_tokens is None else jnp.where(row, batch.num_lookahead_tokens, 0)[:, None],
         first_call=row & (n[:, 0] == 0),
     )
 
@@ -506,12 +563,12 @@ def index_filled_blocks(state: ManagerState, batch: StepBatch, rows: _Rows, ctx:
         state = pt.unindex_filled_tails(
             state,
             ok_slots,
-            (rows.n + rows.k)[:, 0],
+            (rows.n + rows.k - rows.lookahead)[:, 0],
             cache_from,
             **{key: tail_args[key] for key in ("block_size", "unit", "full_groups")},
         )
     hashed_len = state.prefix.num_hashed_units[rows.slots] * prefix.unit
-    full_blocks = jnp.minimum(rows.n + rows.k, hashed_len[:, None]) // rules.block_size  # [R, G]
+    full_blocks = jnp.minimum(rows.n + rows.k - rows.lookahead, hashed_len[:, None]) // rules.block_size  # [R, G]
     attention = rows.ok[:, None] & (rules.kind != MAMBA)
     cache_count = jnp.where(attention, jnp.maximum(full_blocks - cache_from, 0), 0)
     walk = ctx.walk("index")
@@ -570,6 +627,8 @@ def allocate_step(
         state, freed_ranges, num_freed_by_frees, unplanned_free = free_requests(state, batch, ctx)
     with jax.named_scope("store_keys"):
         state = store_keys(state, batch, ctx)
+    with jax.named_scope("roll_back"):
+        state, unplanned_rollback = roll_back(state, batch, ctx)
         rows = view_rows(state, batch)
     with jax.named_scope("register_finished_states"):
         state, copies = register_finished_states(state, rows, ctx)
@@ -602,7 +661,12 @@ def allocate_step(
         copies=copies,
         first_live=state.first_live_idx[:, rows.slots].T,
         num_cached=num_cached,
-        num_unplanned=unplanned_free + unplanned_claim + unplanned_release + unplanned_take + unplanned_index,
+        num_unplanned=unplanned_free
+        + unplanned_rollback
+        + unplanned_claim
+        + unplanned_release
+        + unplanned_take
+        + unplanned_index,
     )
 
 

@@ -504,7 +504,15 @@ def partial_groups(cfg: KVCacheConfig, prefix: PrefixCacheConfig) -> tuple[int, 
 
 
 def lookup(
-    index: IndexState, keys, num_keys, num_tokens, *, cfg: KVCacheConfig, prefix: PrefixCacheConfig, chunk_sizes
+    index: IndexState,
+    keys,
+    num_keys,
+    num_tokens,
+    *,
+    cfg: KVCacheConfig,
+    prefix: PrefixCacheConfig,
+    chunk_sizes,
+    drop_last_block: bool = False,
 ) -> tuple[jax.Array, PrefixStats]:
     """The longest prefix-cache hit of each request, valid for every group; changes nothing.
 
@@ -521,6 +529,11 @@ def lookup(
     full-attention group when its full blocks before h are cached and (key(h), g) is
     indexed (a partial entry), for a state group when (key(h), g) is; other groups need h
     on their block boundaries.
+
+    `drop_last_block` (static; an EAGLE-style drafter, vLLM's `use_eagle`): every group drops the
+    last block of the hit, whose last position's drafter input the cache does not hold: the hit is
+    the longest length valid for every group at least the largest block size below the usual one
+    (with one group: one block less, as vLLM).
     """
     rules = hit_rules(cfg)
     partial = partial_groups(cfg, prefix)
@@ -581,7 +594,11 @@ def lookup(
         if rules[g].kind == "full":
             keyed = valid[:, g, grid_blocks[g]] & (on_block[g] | keyed)
         group_ok = group_ok.at[:, g].set(keyed)
-    hit_len = jnp.max(jnp.where(jnp.all(group_ok, axis=1) & below, hit_lens, 0), axis=1)
+    valid_len = jnp.all(group_ok, axis=1) & below
+    hit_len = jnp.max(jnp.where(valid_len, hit_lens, 0), axis=1)
+    if drop_last_block:
+        dropped = hit_lens[None, :] <= hit_len[:, None] - int(block_sizes.max())
+        hit_len = jnp.max(jnp.where(valid_len & dropped, hit_lens, 0), axis=1)
     full = [g for g, r in enumerate(rules) if r.kind == "full"]
     full_len = jnp.max(jnp.where(group_ok[:, full] & below[:, None], hit_lens, 0), axis=(1, 2)) if full else hit_len
     stats = PrefixStats(

@@ -37,10 +37,15 @@ def _assert_same(a: KVCacheManager, b: KVCacheManager):
     assert a.num_free_blocks == b.num_free_blocks
 
 
-def run_random_ops(name, caching, data):
+def run_random_ops(name, caching, data, speculate=False):
+    """`speculate`: decode rows may add drafts and lookahead slots, and each allocation is followed by a
+    verification that rejects some drafts (rolled back at the rows' next allocations)."""
     cfg = CONFIGS[name]
-    lean = KVCacheManager(cfg, max_num_seqs=3, enable_prefix_caching=caching)
-    whole = KVCacheManager(cfg, max_num_seqs=3, enable_prefix_caching=caching, specialize_steps=False)
+    spec = 3 if speculate else 0
+    lean = KVCacheManager(cfg, max_num_seqs=3, enable_prefix_caching=caching, num_speculative_tokens=spec)
+    whole = KVCacheManager(
+        cfg, max_num_seqs=3, enable_prefix_caching=caching, specialize_steps=False, num_speculative_tokens=spec
+    )
     running: list[str] = []
     next_id = 0
     for _ in range(data.draw(st.integers(1, 24), label="num_ops")):
@@ -53,7 +58,7 @@ def run_random_ops(name, caching, data):
             running.append(rid)
         elif op == "allocate" and running:
             rids = data.draw(st.permutations(running), label="order")[: data.draw(st.integers(1, len(running)))]
-            new, hits = [], []
+            new, hits, lookahead = [], [], []
             for rid in rids:
                 if lean.num_tokens(rid) == lean.num_computed_tokens(rid) and lean.num_tokens(rid) < 16:
                     for mgr in (lean, whole):
@@ -64,11 +69,29 @@ def run_random_ops(name, caching, data):
                 hits.append(hit)
                 remaining = lean.num_tokens(rid) - lean.num_computed_tokens(rid) - hit
                 new.append(data.draw(st.integers(0, min(remaining, 4)), label="new"))
+                room = 16 - lean.num_computed_tokens(rid) - hit - new[-1]
+                if speculate and new[-1] == remaining:  # the known tokens all scheduled: drafts may follow
+                    new[-1] += data.draw(st.integers(0, min(spec, room)), label="drafts")
+                lookahead.append(data.draw(st.integers(0, min(2, room))) if speculate else 0)
             must_fit = data.draw(st.booleans(), label="must_fit")
-            ok = [mgr.allocate_slots_batch(rids, new, hits, full_sequence_must_fit=must_fit) for mgr in (lean, whole)]
+            ok = [
+                mgr.allocate_slots_batch(
+                    rids, new, hits, full_sequence_must_fit=must_fit, num_lookahead_tokens=lookahead
+                )
+                for mgr in (lean, whole)
+            ]
             assert ok[0].tolist() == ok[1].tolist()
             _assert_same(lean, whole)
             check_invariants(cfg, lean.state, lean.prefix_config)
+            if speculate:  # verification: some drafts of the ok rows rejected, the others appended
+                rejected = []
+                for rid in rids:
+                    num_drafts = max(lean.num_computed_tokens(rid) - lean.num_tokens(rid), 0)
+                    rejected.append(data.draw(st.integers(0, num_drafts), label="rejected"))
+                    for mgr in (lean, whole):
+                        mgr.append_token_ids(rid, [5] * (num_drafts - rejected[-1]))
+                for mgr in (lean, whole):
+                    mgr.reject_tokens_batch(rids, rejected)
         elif op == "free" and running:
             rids = data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True), label="free")
             for mgr in (lean, whole):
@@ -87,6 +110,14 @@ def test_specialised_steps_equal_the_full_program(name, caching, data):
     run_random_ops(name, caching, data)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("name", ["full+sliding", "sliding+chunked"])
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_specialised_speculative_steps_equal_the_full_program(name, caching, data):
+    run_random_ops(name, caching, data, speculate=True)
+
+
 def test_the_random_steps_used_several_variants():
     # Runs after the property tests of this module: they must have exercised absent, straight-line and
     # several combinations of walks, or the equality above says little.
@@ -96,6 +127,7 @@ def test_the_random_steps_used_several_variants():
     assert len(seen) >= 6, seen
     assert any(w.take == 0 for w in seen) and any(w.take == 512 for w in seen)
     assert any(w.index == 512 for w in seen) and any(w.release == 512 for w in seen)
+    assert any(w.rollback == 512 for w in seen) and any(w.rollback == 0 for w in seen)
 
 
 @settings(max_examples=3, deadline=None)

@@ -49,13 +49,19 @@ def _lookup(state, cfg, prefix, keys, num_tokens) -> int:
     return _lookup_shared(state, cfg, prefix, keys, num_tokens)[0]
 
 
-def _lookup_shared(state, cfg, prefix, keys, num_tokens) -> tuple[int, int]:
+def _lookup_shared(state, cfg, prefix, keys, num_tokens, drop_last_block=False) -> tuple[int, int]:
     """(hit, shared length) of one request."""
     width = max(8, len(keys))
     padded = np.zeros((8, width, 4), np.uint32)
     padded[0, : len(keys)] = keys
     hits, shared, _ = ms.lookup(
-        state, padded, _pad([len(keys)], 0, 8), _pad([num_tokens], 0, 8), cfg=cfg, prefix=prefix
+        state,
+        padded,
+        _pad([len(keys)], 0, 8),
+        _pad([num_tokens], 0, 8),
+        cfg=cfg,
+        prefix=prefix,
+        drop_last_block=drop_last_block,
     )
     return int(hits[0]), int(shared[0])
 
@@ -391,12 +397,13 @@ class FakeKV:
         for i, key in enumerate(keys):
             self.prefix_of_key[tuple(int(w) for w in key)] = tuple(tokens[: (i + 1) * unit])
 
-    def check(self, cfg, state, live: dict[int, list[int]]):
-        """Every position each group still needs holds its prefix's value; so does every cached block."""
+    def check(self, cfg, state, live: dict[int, list[int]], rejected: dict[int, int]):
+        """Every position each group still needs holds its prefix's value; so does every cached block.
+        `rejected`: per slot, drafts at the end of its count that its next allocation rolls back."""
         state = jax.device_get(state)
         tables = np.asarray(state.block_tables)
         for slot, tokens in live.items():
-            n = int(state.num_computed[slot])
+            n = int(state.num_computed[slot]) - rejected.get(slot, 0)
             for g, group in enumerate(cfg.groups):
                 bs = group.block_size
                 if group.kind == "mamba":
@@ -422,9 +429,15 @@ class FakeKV:
                 assert self.kv[(block, offset)] == prefix[: start + offset + 1], (block, g, offset)
 
 
-def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
+def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False, speculate=False):
     """`reuse`: prompts resend or extend earlier ones and are looked up and claimed as they arrive
-    (hits of every length, inside blocks too); otherwise any operation at any time."""
+    (hits of every length, inside blocks too); otherwise any operation at any time.
+
+    `speculate`: decode rows may schedule draft tokens (values 80-82, which the decoded tokens 70-72
+    never equal), written into the fake store as the drafts' prefixes; after the step a random number
+    of them is accepted (they join the tokens) and the rest is rejected, rolled back at the slot's next
+    allocation; lookups may use the EAGLE rule. No cached block may then hold a rejected draft, and
+    no slot indexes a block past its verified tokens."""
     prefix = PrefixCacheConfig.for_config(cfg, unit)
     state = ms.init_state(cfg, NUM_SLOTS, prefix)
     model = ModelState(cfg, NUM_SLOTS, prefix)
@@ -434,6 +447,8 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
     pending: list[int] = []  # destinations of copies applied but not released yet
     seen: list[tuple[int, ...]] = []  # earlier prompts: a new prompt may resend or extend one
     looked_up: dict[int, tuple[int, int]] = {}  # slot -> its last lookup's (hit, shared length); may go stale
+    rejected: dict[int, int] = {}  # slot -> drafts its next allocation rolls back
+    eagle = speculate and data.draw(st.booleans(), label="eagle")
     max_len = cfg.max_model_len
 
     def keys_of(tokens):
@@ -441,11 +456,11 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
         fake.hashed(tokens, keys, prefix.unit)
         return keys
 
-    for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
+    for _ in range(data.draw(st.integers(1, 40 if speculate else 25), label="num_ops")):
         ops = (
             ["add", "allocate", "allocate", "allocate", "free"]
             if reuse
-            else ["add", "lookup", "allocate", "allocate", "allocate", "free", "preempt"]
+            else ["add", "lookup", "allocate", "allocate", "allocate", "free", "preempt"] + ["allocate"] * 4 * speculate
         )
         op = data.draw(st.sampled_from(ops))
         if op == "add" and len(live) < NUM_SLOTS:
@@ -457,28 +472,39 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
                 live[slot], prompt_len[slot] = tokens, len(tokens)
                 seen.append(tuple(tokens))
                 if reuse or data.draw(st.booleans(), label="look_up_now"):
-                    looked_up[slot] = _lookup_shared(state, cfg, prefix, keys_of(tokens), len(tokens))
-                    assert looked_up[slot] == model.lookup(keys_of(tokens), len(tokens))
+                    looked_up[slot] = _lookup_shared(state, cfg, prefix, keys_of(tokens), len(tokens), eagle)
+                    assert looked_up[slot] == model.lookup(keys_of(tokens), len(tokens), eagle)
         elif op == "lookup" and live:
             slot = data.draw(st.sampled_from(sorted(live)), label="lookup_slot")
             if model.num_computed[slot] == 0:
                 tokens = live[slot]
-                looked_up[slot] = _lookup_shared(state, cfg, prefix, keys_of(tokens), len(tokens))
-                assert looked_up[slot] == model.lookup(keys_of(tokens), len(tokens))
+                looked_up[slot] = _lookup_shared(state, cfg, prefix, keys_of(tokens), len(tokens), eagle)
+                assert looked_up[slot] == model.lookup(keys_of(tokens), len(tokens), eagle)
         elif op == "allocate" and live:
             slots = data.draw(st.permutations(sorted(live)), label="order")
             slots = slots[: data.draw(st.integers(1, len(slots)), label="batch_size")]
             new_tokens, full_tokens, hits, shared = [], [], [], []
-            for slot in slots:
-                tokens, n = live[slot], model.num_computed[slot]
+            row_rejected = [rejected.pop(slot, 0) for slot in slots]
+            drafts: dict[int, list[int]] = {}
+            for slot, r in zip(slots, row_rejected):
+                tokens, n = live[slot], model.num_computed[slot] - r
                 if n == len(tokens) and len(tokens) < max_len:
                     tokens.append(data.draw(st.integers(70, 72), label="decoded"))  # decode it
+                    if speculate:
+                        num_drafts = data.draw(st.integers(0, min(3, max_len - len(tokens))), label="drafts")
+                        drafts[slot] = data.draw(
+                            st.lists(st.integers(80, 82), min_size=num_drafts, max_size=num_drafts)
+                        )
                 # A hit only on the first call: the last lookup's value, possibly stale by now.
                 claim = n == 0 and (reuse or data.draw(st.booleans(), label="claim"))
                 hit, shared_len = looked_up.pop(slot, (0, 0)) if claim else (0, 0)
                 hits.append(hit)
                 shared.append(shared_len)
                 limit = min(len(tokens) - n - hit, 8)
+                if slot in drafts:  # the decoded token and its drafts
+                    new_tokens.append(1 + len(drafts[slot]))
+                    full_tokens.append(0)
+                    continue
                 # The prompt tail's final unit boundary: a scheduler may end a chunk there (jaxkv.prefix.tails).
                 to_tail = ((prompt_len[slot] - 1) // prefix.unit) * prefix.unit - n - hit
                 if 0 < to_tail <= limit and (reuse or data.draw(st.booleans(), label="end_at_tail")):
@@ -508,6 +534,7 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
                 _pad([prompt_len[s] for s in slots], 0),
                 _pad(released, NULL_BLOCK, 8),
                 _pad(shared, 0),
+                num_rejected_tokens=_pad(row_rejected, 0) if speculate else None,
                 cfg=cfg,
                 chunk_sizes=chunk_sizes,
                 prefix=prefix,
@@ -516,8 +543,10 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
             model.free(freed)
             for slot in freed:
                 del prompt_len[slot]
+                rejected.pop(slot, None)
             for slot, keys in uploads.items():
                 model.set_hashes(slot, keys)
+            model.roll_back(slots, row_rejected)
             expected_ok = model.allocate(slots, new_tokens, full_tokens, hits, [prompt_len[s] for s in slots], shared)
             assert np.asarray(result.ok).tolist() == expected_ok + [False] * (NUM_SLOTS - len(slots))
             assert int(result.num_free_blocks) == model.num_free_blocks
@@ -533,7 +562,11 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
             for slot, k, ok in zip(slots, new_tokens, expected_ok):
                 if ok:  # the step runs: the scheduled tokens' K/V and states are written
                     end = model.num_computed[slot]
-                    fake.computed(cfg, state, slot, live[slot], end - k, end, cached_before)
+                    fake.computed(cfg, state, slot, live[slot] + drafts.get(slot, []), end - k, end, cached_before)
+                    if slot in drafts:  # verification: the accepted drafts join the tokens
+                        accepted = data.draw(st.integers(0, len(drafts[slot])), label="accepted")
+                        live[slot] += drafts[slot][:accepted]
+                        rejected[slot] = len(drafts[slot]) - accepted
         elif op in ("free", "preempt") and live:
             # preempt: the most recently admitted request loses its blocks and starts over.
             slots = (
@@ -544,6 +577,7 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
             state = ms.free(state, _pad(slots, NUM_SLOTS), cfg=cfg, chunk_sizes=chunk_sizes, prefix=prefix)
             model.free(slots)
             for slot in slots:
+                rejected.pop(slot, None)
                 tokens = live.pop(slot)
                 looked_up.pop(slot, None)
                 if op == "preempt":  # it comes back with all its tokens as its prompt
@@ -552,7 +586,11 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False):
                     del prompt_len[slot]
         check_invariants(cfg, state, prefix)
         assert_state_matches(state, model)
-        fake.check(cfg, state, live)
+        fake.check(cfg, state, live, rejected)
+        num_cached = np.asarray(state.prefix.num_cached_blocks)
+        for slot in live:  # nothing past the verified tokens is indexed
+            verified = int(state.num_computed[slot]) - rejected.get(slot, 0)
+            assert (num_cached[:, slot] * cfg_block_sizes(cfg) <= verified).all(), (slot, verified)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -568,6 +606,29 @@ def test_random_sequences_jitted(case, data):
 def test_reuse_sequences_jitted(case, data):
     # Units finer than a full-attention or state block: hits inside blocks, copies, moved states.
     run_random_sequence(data, *CASES[case], reuse=True)
+
+
+# Speculative decoding (drafts, rejections, the EAGLE rule) on the configs without state groups.
+SPECULATIVE_CASES = ["full_sw", "unit_below_block", "full_unit"]
+
+
+@pytest.mark.parametrize("case", SPECULATIVE_CASES)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_speculative_sequences_jitted(case, data):
+    run_random_sequence(data, *CASES[case], speculate=True)
+
+
+@pytest.mark.parametrize("case", SPECULATIVE_CASES)
+@settings(max_examples=2, deadline=None)
+@given(data=st.data())
+def test_speculative_sequences_eager(case, data):
+    with jax.disable_jit():
+        run_random_sequence(data, *CASES[case], speculate=True)
+
+
+def cfg_block_sizes(cfg) -> np.ndarray:
+    return np.asarray([g.block_size for g in cfg.groups])[:, None]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
