@@ -68,6 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="a 6-layer model with window 8 (for CI)")
     p.add_argument("--check", action="store_true", help="compare with a dense forward pass; exit 1 on mismatch")
     p.add_argument("--tp", type=int, default=1, help="shard KV heads over this many devices")
+    p.add_argument(
+        "--speculate",
+        metavar="ngram:K",
+        help="speculative decoding: ngram:K proposes K tokens by prompt lookup (greedy verification)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--coordinator",
@@ -192,6 +197,14 @@ def main(argv=None) -> int:
         specs, budget, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm"
     )
     mesh = model_mesh(args.tp) if args.tp > 1 else None
+    proposer = None
+    if args.speculate is not None:
+        from serving import ngram_proposer
+
+        kind, _, num = args.speculate.partition(":")
+        if kind != "ngram" or not num.isdigit() or int(num) < 1:
+            raise SystemExit(f"--speculate {args.speculate}: expected ngram:K with K ≥ 1 (e.g. ngram:4)")
+        proposer = ngram_proposer(int(num))
     loop = ServingLoop(
         model,
         kv_cfg,
@@ -201,6 +214,7 @@ def main(argv=None) -> int:
         record_logits=args.check or args.logits_out is not None,
         mesh=mesh,
         prefix_match_unit=args.prefix_match_unit,
+        proposer=proposer,
     )
     requests = loop.generate(prompts, args.max_new_tokens, eos_token_ids, progress=True)
     s = loop.stats
@@ -224,6 +238,12 @@ def main(argv=None) -> int:
         f"preemptions: {s.preemptions}, block copies: {s.block_copies}, "
         f"allocation programs (work signatures): {len(loop.mgr.step_variants)}"
     )
+    if proposer is not None:
+        print(
+            f"speculative decoding ({args.speculate}): {s.drafts_accepted}/{s.drafts_proposed} drafts accepted "
+            f"({100 * s.drafts_accepted / max(s.drafts_proposed, 1):.1f}%), "
+            f"{s.tokens_generated / max(s.steps, 1):.2f} tokens generated per target forward pass"
+        )
     print(
         f"prefix-hit rate: {s.prefix_hit_tokens}/{s.prompt_tokens} prompt tokens "
         f"({100 * s.prefix_hit_tokens / max(s.prompt_tokens, 1):.1f}%)"

@@ -23,6 +23,12 @@ When every running request is decoding and nobody waits, `decode_steps`
 decode steps run in one jitted `lax.scan`, allocation included: the
 manager's pure transitions run on the device between model steps, and
 `jaxkv.step_metadata` gives each step's metadata from the state.
+
+Speculative decoding (`proposer`, e.g. `ngram_proposer(K)`: prompt lookup): a decoding request schedules
+its next token and up to K draft tokens; the step verifies them greedily (a draft is accepted while it
+equals the target's argmax before it), the accepted drafts and the target's next token are emitted, and
+the manager rolls the rejected drafts back (`reject_tokens`). Greedy speculative decoding emits exactly
+the tokens of greedy decoding. It runs in the host loop (no on-device loop).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: tuple[int, ...] = ()  # the request ends after producing one of these
     output: list[int] = dataclasses.field(default_factory=list)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # draft tokens scheduled this step
     num_computed: int = 0  # tokens whose K/V is in the cache (0 while waiting)
     num_added: int = 0  # tokens given to the manager at admission (its prompt: the tail's state is saved)
     num_preemptions: int = 0
@@ -75,8 +82,26 @@ class Stats:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     block_copies: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
     peak_blocks_per_group: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+
+
+def ngram_proposer(num_drafts: int, max_ngram: int = 3):
+    """Prompt-lookup decoding: proposes the `num_drafts` tokens that followed the latest earlier occurrence
+    of the request's last n tokens (the longest n ≤ `max_ngram` that occurred); none if no suffix did."""
+
+    def propose(tokens: list[int]) -> list[int]:
+        for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n : start + n + num_drafts]
+        return []
+
+    propose.num_drafts = num_drafts
+    return propose
 
 
 def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata):
@@ -154,6 +179,7 @@ class ServingLoop:
         record_logits: bool = False,
         mesh: jax.sharding.Mesh | None = None,
         prefix_match_unit: int | None = None,
+        proposer=None,
     ):
         self.kv_cfg = kv_cfg
         self.max_num_seqs = max_num_seqs
@@ -162,8 +188,13 @@ class ServingLoop:
         self.record_logits = record_logits
         if not jaxkv.is_typed(kv_cfg) and getattr(model, "typed_cache", True):
             raise ValueError("the example model needs a typed cache (every layer the same page shape)")
+        self.proposer = proposer  # tokens -> draft tokens (at most proposer.num_drafts); None: no speculation
         self.mgr = KVCacheManager(
-            kv_cfg, max_num_seqs=max_num_seqs, enable_prefix_caching=True, prefix_match_unit=prefix_match_unit
+            kv_cfg,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=True,
+            prefix_match_unit=prefix_match_unit,
+            num_speculative_tokens=0 if proposer is None else proposer.num_drafts,
         )
         # Align chunks to the state groups' blocks (all groups of such a plan have one block size).
         state_groups = [g for g in kv_cfg.groups if isinstance(g.spec, jaxkv.MambaSpec)]
@@ -208,7 +239,7 @@ class ServingLoop:
         self._stalled = False  # a device loop ran out of blocks: the next step preempts on the host
         start = time.perf_counter()
         while self.waiting or self.running:
-            if self._all_decoding() and self.decode_steps > 1 and not self._stalled:
+            if self._all_decoding() and self.decode_steps > 1 and not self._stalled and self.proposer is None:
                 self._stalled = self._device_decode()
             else:
                 self._engine_step()
@@ -243,7 +274,12 @@ class ServingLoop:
         while rows and budget > 0:
             asks, left = [], budget
             for req in rows:
+                req.drafts = []
                 asks.append(self._chunk(req, req.num_computed, left))
+                if asks[-1] == 1 and len(req.tokens) - req.num_computed == 1 and self.proposer is not None:
+                    room = min(left, req.max_new_tokens - len(req.output), self.kv_cfg.max_model_len - len(req.tokens))
+                    req.drafts = self.proposer(req.tokens)[: room - 1]
+                    asks[-1] += len(req.drafts)
                 left -= asks[-1]
             ok = self.mgr.allocate_slots_batch([r.request_id for r in rows], asks)
             num_ok = len(ok) if ok.all() else int(np.argmin(ok))
@@ -292,6 +328,7 @@ class ServingLoop:
         return end - num_computed
 
     def _preempt(self, req: Request):
+        req.drafts = []
         self.mgr.free(req.request_id)
         self.running.remove(req)
         req.num_computed = 0
@@ -303,7 +340,7 @@ class ServingLoop:
         tokens = np.zeros(self.max_num_batched_tokens, np.int32)
         t = 0
         for req, k in scheduled:
-            tokens[t : t + k] = req.tokens[req.num_computed : req.num_computed + k]
+            tokens[t : t + k] = (req.tokens + req.drafts)[req.num_computed : req.num_computed + k]
             t += k
         copies = self.mgr.take_block_copies()
         if len(copies):  # padded to a multiple of 8 rows (NULL_BLOCK copies nothing): few compilations
@@ -319,13 +356,22 @@ class ServingLoop:
         self.stats.tokens_computed += t
         t = 0
         for req, k in scheduled:
-            if self.record_logits:
-                for j in range(k):
-                    req.logits[req.num_computed + j] = logits[t + j]
-            req.num_computed += k
+            row_logits = logits[t : t + k]
             t += k
-            if req.num_computed == len(req.tokens):
-                self._emit(req, [int(np.argmax(logits[t - 1]))])
+            if req.drafts:  # greedy verification: drafts count while they equal the target's tokens
+                targets = np.argmax(row_logits, axis=-1).tolist()
+                accepted = next((i for i, d in enumerate(req.drafts) if d != targets[i]), len(req.drafts))
+                self.mgr.reject_tokens(req.request_id, len(req.drafts) - accepted)
+                self.stats.drafts_proposed += len(req.drafts)
+                self.stats.drafts_accepted += accepted
+                req.drafts, row_logits = [], row_logits[: 1 + accepted]
+            if self.record_logits:
+                for j, row_logit in enumerate(row_logits):
+                    req.logits[req.num_computed + j] = row_logit
+            req.num_computed += len(row_logits)
+            if req.num_computed >= len(req.tokens):  # the next token, after the accepted drafts
+                sampled = row_logits[len(req.tokens) - req.num_computed - 1 :]
+                self._emit(req, np.argmax(sampled, axis=-1).tolist())
 
     def _device_decode(self) -> bool:
         """Runs `decode_steps` decode steps on device; True if a row could not get a block (stalled)."""
@@ -362,8 +408,10 @@ class ServingLoop:
         return stalled
 
     def _emit(self, req: Request, new_tokens: list[int]):
-        """Appends sampled tokens (a device loop stops a row at its EOS); frees the request once it is done."""
+        """Appends sampled tokens (up to the first EOS); frees the request once it is done."""
         new_tokens = new_tokens[: req.max_new_tokens - len(req.output)]
+        ends = [i for i, token in enumerate(new_tokens) if token in req.eos_token_ids]
+        new_tokens = new_tokens[: ends[0] + 1] if ends else new_tokens
         req.output.extend(new_tokens)
         self.stats.tokens_generated += len(new_tokens)
         if req.done:

@@ -39,3 +39,15 @@ def test_pool_running_dry_inside_a_device_decode_loop_preempts():
     )
     assert re.search(r"check: \d+ logit rows of 2 requests .*; 0 mismatching requests", out)
     assert int(re.search(r"preemptions: (\d+)", out).group(1)) >= 1
+
+
+def test_speculative_decoding_gives_the_greedy_tokens(one_device):
+    # Prompt lookup with 4 drafts (block 4: drafts cross block ends), a 62-block pool that preempts:
+    # every verified logit equals the dense pass and the tokens are the plain run's.
+    out = run_decode("--speculate", "ngram:4", "--num-blocks", "62")
+    assert re.search(r"check: \d+ logit rows of 8 requests .*; 0 mismatching requests", out)
+    assert DIGEST.search(out).group(1) == DIGEST.search(one_device).group(1)
+    accepted, proposed = map(int, re.search(r"(\d+)/(\d+) drafts accepted", out).groups())
+    assert 0 < accepted < proposed  # some drafts verified, some rejected and rolled back
+    assert int(re.search(r"preemptions: (\d+)", out).group(1)) >= 1
+    assert int(re.search(r"prefix-hit rate: (\d+)/", out).group(1)) > 0
