@@ -28,7 +28,8 @@ Speculative decoding (`proposer`, e.g. `ngram_proposer(K)`: prompt lookup): a de
 its next token and up to K draft tokens; the step verifies them greedily (a draft is accepted while it
 equals the target's argmax before it), the accepted drafts and the target's next token are emitted, and
 the manager rolls the rejected drafts back (`reject_tokens`). Greedy speculative decoding emits exactly
-the tokens of greedy decoding. It runs in the host loop (no on-device loop).
+the tokens of greedy decoding. The on-device loop proposes (`_propose_ngram`), verifies and rolls back
+the same way inside its `lax.scan`.
 """
 
 from __future__ import annotations
@@ -109,57 +110,128 @@ def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata)
     return model.forward_paged(tokens, cache, meta, mesh)
 
 
+def _propose_ngram(history, length, num_drafts: int, max_ngram: int = 3):
+    """`ngram_proposer` on device: history int32[R, L] each row's tokens, length int32[R] how many.
+    Returns (drafts int32[R, K], count int32[R])."""
+    num_rows, max_len = history.shape
+    pos = jnp.arange(max_len, dtype=jnp.int32)
+    rows = jnp.arange(num_rows)
+    found, follows = jnp.zeros(num_rows, bool), jnp.zeros(num_rows, jnp.int32)
+    for n in range(max_ngram, 0, -1):  # the longest suffix that occurred earlier wins
+        # An occurrence at [s, s + n) with s + n < length (not the suffix itself).
+        match = (pos[None, :] <= length[:, None] - n - 1) & (length[:, None] > n)
+        for i in range(n):
+            suffix_token = history[rows, jnp.maximum(length - n + i, 0)]
+            match &= history[:, jnp.minimum(pos + i, max_len - 1)] == suffix_token[:, None]
+        last = jnp.max(jnp.where(match, pos[None, :], -1), axis=1)
+        hit = (last >= 0) & ~found
+        follows = jnp.where(hit, last + n, follows)
+        found |= hit
+    drafts = jnp.take_along_axis(history, jnp.minimum(follows[:, None] + jnp.arange(num_drafts), max_len - 1), axis=1)
+    return drafts, jnp.where(found, jnp.clip(length - follows, 0, num_drafts), 0)
+
+
 def _decode_loop(
-    graphdef, mesh, kv_cfg, prefix, copies, num_steps, params, cache, state, req_slots, next_token, remaining, eos
+    graphdef,
+    mesh,
+    kv_cfg,
+    prefix,
+    copies,
+    num_drafts,
+    num_steps,
+    params,
+    cache,
+    state,
+    req_slots,
+    history,
+    length,
+    remaining,
+    eos,
 ):
-    """N decode steps on device: allocate one token per row, write and attend, sample; repeat.
+    """N decode steps on device: allocate, write and attend, sample (and verify drafts); repeat.
 
-    req_slots int32[R] (S = padding), next_token int32[R] (the token each row computes next),
-    remaining int32[R] (tokens each row may still produce), eos int32[R, E] (each row's EOS ids, -1 padding: a
-    row stops after producing one). With `copies` (static: hits may end inside a block), the block copies an
-    allocation makes (a row whose last step ended at its prompt tail moves to a copy of its state) are applied
-    before the step's forward pass and released by the next allocation. Returns the state, the cache,
-    produced bool[N, R], tokens int32[N, R], logits float32[N, R, V], the destinations int32[R G] of the
-    last step's copies (still pinned) and the number of copies made.
+    req_slots int32[R] (S = padding); history int32[R, L] each row's tokens, length int32[R] how many (the
+    last is the token the row computes next); remaining int32[R] tokens each row may still produce; eos
+    int32[R, E] each row's EOS ids (-1 padding: a row stops after producing one). With `copies` (static: hits
+    may end inside a block), the block copies an allocation makes (a row whose last step ended at its prompt
+    tail moves to a copy of its state) are applied before the step's forward pass and released by the next
+    allocation. With `num_drafts` K > 0 (static), each row also schedules up to K prompt-lookup drafts
+    (`_propose_ngram`), verified greedily; the rejected ones roll back at the row's next allocation.
+
+    Returns the state, the cache, per step (leading axis N) and row: produced bool, emitted int32 (tokens
+    produced: the accepted drafts and the next token, cut at EOS and `remaining`), tokens int32[.., 1 + K] and
+    logits float32[.., 1 + K, V] (the first `emitted` are the produced tokens and their positions' logits);
+    then the rows' rejected drafts int32[R] (to roll back), whether a row ran out of blocks, the destinations
+    int32[R G] of the last step's copies (still pinned), the copies made, and drafts proposed and accepted.
     """
+    num_rows = req_slots.shape[0]
     row = req_slots < state.num_computed.shape[0]
-    num_groups = len(kv_cfg.groups)
+    width = 1 + num_drafts  # tokens per row and step
+    offsets = jnp.arange(width, dtype=jnp.int32)
 
-    def step(carry, s):
-        state, cache, token, stopped, pinned, num_copies = carry
-        wanted = row & (s < remaining) & ~stopped
+    def step(carry, _):
+        state, cache, history, length, left, stopped, rejected, pinned, counts = carry
+        wanted = row & (left > 0) & ~stopped
+        token = history[jnp.arange(num_rows), length - 1]
+        drafts, num_new_drafts = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros(num_rows, jnp.int32)
+        if num_drafts:
+            drafts, num_new_drafts = _propose_ngram(history, length, num_drafts)
+            room = jnp.minimum(left, kv_cfg.max_model_len - length + 1)
+            num_new_drafts = jnp.clip(jnp.minimum(num_new_drafts, room - 1), 0, num_drafts)
         state, result = st.allocate(
             state,
             req_slots,
-            wanted.astype(jnp.int32),
+            jnp.where(wanted, 1 + num_new_drafts, 0),
             cfg=kv_cfg,
             prefix=prefix,
             released_copies=pinned if copies else None,
+            num_rejected_tokens=rejected if num_drafts else None,
         )
         if copies:
             made = result.copies.reshape(-1, 3)
             apply = jnp.any(made[:, 1] != jaxkv.NULL_BLOCK).astype(jnp.int32)  # a loop of 0 or 1 steps, in place
             cache = jax.lax.fori_loop(0, apply, lambda _, c: jaxkv.copy_blocks(c, made, cfg=kv_cfg), cache)
             pinned = made[:, 1]
-            num_copies += jnp.sum(pinned != jaxkv.NULL_BLOCK, dtype=jnp.int32)
+            counts = counts.at[0].add(jnp.sum(pinned != jaxkv.NULL_BLOCK, dtype=jnp.int32))
         produced = result.ok & wanted
-        meta = jaxkv.step_metadata(
-            state, req_slots, produced.astype(jnp.int32), cfg=kv_cfg, num_tokens=req_slots.shape[0]
+        num_new = jnp.where(produced, 1 + num_new_drafts, 0)
+        meta = jaxkv.step_metadata(state, req_slots, num_new, cfg=kv_cfg, num_tokens=num_rows * width)
+        # The rows' tokens packed in row order as `meta` packs them; row r's logits sit at its first token on.
+        start = meta.query_start_loc[:-1]
+        flat = jnp.minimum(start[:, None] + offsets, num_rows * width - 1)  # [R, 1 + K]
+        packed = (
+            jnp.zeros(num_rows * width, jnp.int32)
+            .at[jnp.where(offsets < num_new[:, None], flat, num_rows * width)]
+            .set(jnp.concatenate([token[:, None], drafts], axis=1), mode="drop")
         )
-        # The producing rows' tokens, packed in row order as `meta` packs them; row r's logits sit at
-        # its first token.
-        packed = token[jnp.argsort(~produced, stable=True)]
         logits, cache = _model_step(graphdef, mesh, params, cache, packed, meta)
-        logits = logits[meta.query_start_loc[:-1]]
-        token = jnp.where(produced, jnp.argmax(logits, axis=-1).astype(jnp.int32), token)
-        stopped = stopped | (produced & (token[:, None] == eos).any(axis=1))
-        return (state, cache, token, stopped, pinned, num_copies), (produced, token, logits)
+        logits = logits[flat]  # [R, 1 + K, V]
+        targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        accepted = jnp.zeros(num_rows, jnp.int32)
+        if num_drafts:  # a draft counts while it and those before it equal the target's tokens
+            agree = (drafts == targets[:, :-1]) & (offsets[:-1] < num_new_drafts[:, None])
+            accepted = jnp.sum(jnp.cumprod(agree, axis=1), axis=1, dtype=jnp.int32)
+        emitted = jnp.where(produced, jnp.minimum(accepted + 1, left), 0)
+        is_eos = (targets[..., None] == eos[:, None, :]).any(axis=2) & (offsets < emitted[:, None])
+        ends = jnp.any(is_eos, axis=1)
+        emitted = jnp.where(ends, jnp.argmax(is_eos, axis=1) + 1, emitted)
+        history = history.at[
+            jnp.arange(num_rows)[:, None], jnp.where(offsets < emitted[:, None], length[:, None] + offsets, history.shape[1])
+        ].set(targets, mode="drop")
+        counts = counts.at[1:].add(
+            jnp.stack([jnp.sum(jnp.where(produced, num_new_drafts, 0)), jnp.sum(jnp.where(produced, accepted, 0))])
+        )
+        rejected = jnp.where(produced, num_new_drafts - accepted, 0)
+        stalled = jnp.any(wanted & ~result.ok)
+        carry = (state, cache, history, length + emitted, left - emitted, stopped | ends, rejected, pinned, counts)
+        return carry, (produced, emitted, targets, logits, stalled)
 
-    pinned = jnp.zeros(req_slots.shape[0] * num_groups, jnp.int32)
-    (state, cache, _, _, pinned, num_copies), (produced, tokens, logits) = jax.lax.scan(
-        step, (state, cache, next_token, jnp.zeros_like(row), pinned, jnp.int32(0)), jnp.arange(num_steps)
-    )
-    return state, cache, produced, tokens, logits, pinned, num_copies
+    zeros = jnp.zeros(num_rows, jnp.int32)
+    pinned = jnp.zeros(num_rows * len(kv_cfg.groups), jnp.int32)
+    carry = (state, cache, history, length, remaining, jnp.zeros_like(row), zeros, pinned, jnp.zeros(3, jnp.int32))
+    carry, (produced, emitted, tokens, logits, stalled) = jax.lax.scan(step, carry, None, length=num_steps)
+    state, cache, _, _, _, _, rejected, pinned, counts = carry
+    return state, cache, produced, emitted, tokens, logits, rejected, jnp.any(stalled), pinned, counts
 
 
 class ServingLoop:
@@ -208,10 +280,13 @@ class ServingLoop:
             **out_shardings(mesh, "replicated", "cache"),
         )
         copies = bool(partial_groups(kv_cfg, self.mgr.prefix_config))  # hits may end inside a block
-        self._decode_loop = jax.jit(  # -> state, cache, produced, tokens, logits, pinned copies, copies made
-            functools.partial(_decode_loop, graphdef, mesh, kv_cfg, self.mgr.prefix_config, copies, decode_steps),
+        num_drafts = 0 if proposer is None else proposer.num_drafts
+        self._decode_loop = jax.jit(  # see _decode_loop for what it returns
+            functools.partial(
+                _decode_loop, graphdef, mesh, kv_cfg, self.mgr.prefix_config, copies, num_drafts, decode_steps
+            ),
             donate_argnums=(1, 2),
-            **out_shardings(mesh, "replicated", "cache", *["replicated"] * 5),
+            **out_shardings(mesh, "replicated", "cache", *["replicated"] * 8),
         )
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
@@ -239,7 +314,7 @@ class ServingLoop:
         self._stalled = False  # a device loop ran out of blocks: the next step preempts on the host
         start = time.perf_counter()
         while self.waiting or self.running:
-            if self._all_decoding() and self.decode_steps > 1 and not self._stalled and self.proposer is None:
+            if self._all_decoding() and self.decode_steps > 1 and not self._stalled:
                 self._stalled = self._device_decode()
             else:
                 self._engine_step()
@@ -377,35 +452,45 @@ class ServingLoop:
         """Runs `decode_steps` decode steps on device; True if a row could not get a block (stalled)."""
         num_rows = self.max_num_seqs
         req_slots = np.full(num_rows, num_rows, np.int32)
-        next_token = np.zeros(num_rows, np.int32)
+        history = np.zeros((num_rows, self.kv_cfg.max_model_len), np.int32)
+        length = np.ones(num_rows, np.int32)
         remaining = np.zeros(num_rows, np.int32)
         n = len(self.running)
         req_slots[:n] = self.mgr.slots_of([r.request_id for r in self.running])
-        next_token[:n] = [r.tokens[-1] for r in self.running]
+        for i, r in enumerate(self.running):
+            history[i, : len(r.tokens)] = r.tokens
+            length[i] = len(r.tokens)
         remaining[:n] = [r.max_new_tokens - len(r.output) for r in self.running]
         eos = np.full((num_rows, max(1, *(len(r.eos_token_ids) for r in self.running))), -1, np.int32)
         for i, r in enumerate(self.running):
             eos[i, : len(r.eos_token_ids)] = r.eos_token_ids
-        state, self.cache, produced, tokens, logits, pinned, num_copies = self._decode_loop(
-            self.params, self.cache, self.mgr.take_state(), req_slots, next_token, remaining, eos
+        state, self.cache, produced, emitted, tokens, logits, rejected, stalled, pinned, counts = self._decode_loop(
+            self.params, self.cache, self.mgr.take_state(), req_slots, history, length, remaining, eos
         )
-        produced, tokens, pinned = np.asarray(produced), np.asarray(tokens), np.asarray(pinned)
+        produced, emitted, tokens = np.asarray(produced), np.asarray(emitted), np.asarray(tokens)
         logits = np.asarray(logits) if self.record_logits else None
-        self.mgr.adopt_state(state, [r.request_id for r in self.running], pinned_copies=pinned)
-        self.stats.block_copies += int(num_copies)
+        num_copies, num_proposed, num_accepted = np.asarray(counts).tolist()
+        self.mgr.adopt_state(
+            state,
+            [r.request_id for r in self.running],
+            pinned_copies=np.asarray(pinned),
+            num_rejected_tokens=np.asarray(rejected)[:n],
+        )
+        self.stats.block_copies += num_copies
+        self.stats.drafts_proposed += num_proposed
+        self.stats.drafts_accepted += num_accepted
+        self.stats.tokens_computed += int(produced.sum()) + num_proposed
         self.stats.device_loops += 1
         self.stats.steps += self.decode_steps
-        stalled = False
         for i, req in enumerate(list(self.running)):
             steps = np.flatnonzero(produced[:, i])
-            self.stats.tokens_computed += len(steps)
-            self._emit(req, tokens[steps, i].tolist())
+            self._emit(req, [t for s in steps for t in tokens[s, i, : emitted[s, i]].tolist()])
             for s in steps:
-                if self.record_logits:
-                    req.logits[req.num_computed] = logits[s, i]
-                req.num_computed += 1
-            stalled |= len(steps) < min(remaining[i], self.decode_steps) and not req.done
-        return stalled
+                for j in range(emitted[s, i]):
+                    if self.record_logits:
+                        req.logits[req.num_computed] = logits[s, i, j]
+                    req.num_computed += 1
+        return bool(stalled)
 
     def _emit(self, req: Request, new_tokens: list[int]):
         """Appends sampled tokens (up to the first EOS); frees the request once it is done."""

@@ -35,3 +35,40 @@ def test_requests_stop_at_their_first_eos_token():
         expected = other[: other.index(output[k]) + 1] if output[k] in other else other
         assert stopped[1].output == expected
         assert loop.mgr.num_free_blocks == cfg.num_blocks - 1  # every request was freed
+
+
+def test_speculative_device_loops_give_the_greedy_tokens():
+    # Repetitive prompts: prompt lookup proposes drafts that the tiny model often accepts. Both prompts
+    # decode inside device loops, whose allocations take drafts, verify them and roll rejected ones back;
+    # an EOS inside the accepted drafts stops a request there.
+    from check import compare_with_dense
+    from flax import nnx
+    from model import Decoder, ModelConfig
+    from serving import ServingLoop, ngram_proposer
+
+    import jaxkv
+
+    model_cfg = ModelConfig.tiny()
+    cfg = jaxkv.plan(model_cfg.kv_cache_specs(4), 1 << 20, max_model_len=64, max_num_batched_tokens=16)
+    prompts = [[3, 4, 5, 6] * 4, [7, 8, 9] * 5]
+    model = Decoder(model_cfg, rngs=nnx.Rngs(0))
+    plain = ServingLoop(model, cfg, max_num_seqs=2, max_num_batched_tokens=16, decode_steps=8)
+    expected = [r.output for r in plain.generate(prompts, 30)]
+    loop = ServingLoop(
+        model,
+        cfg,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        decode_steps=8,
+        record_logits=True,
+        proposer=ngram_proposer(4),
+    )
+    served = loop.generate(prompts, 30)
+    assert [r.output for r in served] == expected
+    assert compare_with_dense(model, served)[1] == 0  # every verified logit equals the dense pass
+    assert loop.stats.device_loops >= 1 and 0 < loop.stats.drafts_accepted < loop.stats.drafts_proposed
+    assert loop.stats.steps < plain.stats.steps  # fewer target passes than plain decoding
+    assert loop.mgr.num_free_blocks == cfg.num_blocks - 1
+    eos = expected[0][20]  # inside a device loop
+    stopped = loop.generate(prompts, 30, eos_token_ids=(eos,))
+    assert stopped[0].output == expected[0][: expected[0].index(eos) + 1]
