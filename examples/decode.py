@@ -70,9 +70,11 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="shard KV heads over this many devices")
     p.add_argument(
         "--speculate",
-        metavar="ngram:K",
-        help="speculative decoding: ngram:K proposes K tokens by prompt lookup (greedy verification)",
+        metavar="ngram:K|draft:K",
+        help="speculative decoding, verified greedily: ngram:K proposes K tokens by prompt lookup, draft:K by K "
+        "passes of the target's first --draft-layers layers and its head",
     )
+    p.add_argument("--draft-layers", type=int, help="layers of the draft model (default: half the target's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--coordinator",
@@ -199,12 +201,21 @@ def main(argv=None) -> int:
     mesh = model_mesh(args.tp) if args.tp > 1 else None
     proposer = None
     if args.speculate is not None:
-        from serving import ngram_proposer
+        from serving import DraftModel, ngram_proposer
 
         kind, _, num = args.speculate.partition(":")
-        if kind != "ngram" or not num.isdigit() or int(num) < 1:
-            raise SystemExit(f"--speculate {args.speculate}: expected ngram:K with K ≥ 1 (e.g. ngram:4)")
-        proposer = ngram_proposer(int(num))
+        if kind not in ("ngram", "draft") or not num.isdigit() or int(num) < 1:
+            raise SystemExit(f"--speculate {args.speculate}: expected ngram:K or draft:K with K ≥ 1 (e.g. ngram:4)")
+        if checkpoint is not None and checkpoint.text.model_type == "qwen3_next":
+            raise SystemExit(
+                f"--speculate {args.speculate}: Qwen3-Next's linear-attention layers keep one state per request, "
+                "which a rejected draft would overwrite; serve it without speculative decoding"
+            )
+        num_layers = len(model.blocks if hasattr(model, "blocks") else model.layers)
+        draft_layers = args.draft_layers or max(1, num_layers // 2)
+        if not 1 <= draft_layers <= num_layers:
+            raise SystemExit(f"--draft-layers {draft_layers}: the target has {num_layers} layers")
+        proposer = ngram_proposer(int(num)) if kind == "ngram" else DraftModel(int(num), draft_layers)
     loop = ServingLoop(
         model,
         kv_cfg,

@@ -270,10 +270,10 @@ class Decoder(nnx.Module):
             x = block.residual_mlp(x)
         return self.logits(x)
 
-    def forward_paged(self, tokens, cache, meta: jaxkv.StepMetadata, mesh=None):
+    def forward_paged(self, tokens, cache, meta: jaxkv.StepMetadata, mesh=None, num_layers=None):
         """tokens [T] (packed as `meta` packs them), cache [B, L, K, N, 2H] -> (logits [T, V], cache')."""
         x = self.embed(tokens)
-        for block in self.layers:
+        for block in self.layers[:num_layers]:  # the first `num_layers` and the head: a draft model
             h, cache = block.self_attn.paged(block.input_layernorm(x), cache, meta, mesh)
             x = block.residual_mlp(block.residual_attn(x, h))
         return self.logits(x), cache

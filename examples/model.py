@@ -173,13 +173,13 @@ class Decoder(nnx.Module):
             x = block.mlp(x)
         return self.logits(x)
 
-    def forward_paged(self, tokens, cache, meta: jaxkv.StepMetadata, mesh=None):
+    def forward_paged(self, tokens, cache, meta: jaxkv.StepMetadata, mesh=None, num_layers=None):
         """tokens [T] (packed as `meta` packs them), cache [B, L, K, N, 2H] -> (logits [T, V], cache').
 
         With a `mesh`, the cache is sharded over KV heads and the kernels run per shard.
         """
         x = self.embed(tokens) * self.cfg.embed_dim**0.5
-        for block in self.blocks:
+        for block in self.blocks[:num_layers]:  # the first `num_layers` and the head: a draft model
             h, cache = block.attn.paged(block.pre_attn_norm(x), cache, meta, mesh)
             x = block.mlp(x + block.post_attn_norm(h))
         return self.logits(x), cache

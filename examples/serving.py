@@ -24,12 +24,13 @@ decode steps run in one jitted `lax.scan`, allocation included: the
 manager's pure transitions run on the device between model steps, and
 `jaxkv.step_metadata` gives each step's metadata from the state.
 
-Speculative decoding (`proposer`, e.g. `ngram_proposer(K)`: prompt lookup): a decoding request schedules
-its next token and up to K draft tokens; the step verifies them greedily (a draft is accepted while it
-equals the target's argmax before it), the accepted drafts and the target's next token are emitted, and
-the manager rolls the rejected drafts back (`reject_tokens`). Greedy speculative decoding emits exactly
-the tokens of greedy decoding. The on-device loop proposes (`_propose_ngram`), verifies and rolls back
-the same way inside its `lax.scan`.
+Speculative decoding (`proposer`: `ngram_proposer(K)`, prompt lookup, or a `DraftModel`, the target's first
+layers): a decoding request schedules its next token and up to K draft tokens (a draft model proposes them
+after the allocation, one pass per draft, through the target's cache); the step verifies them greedily
+(a draft is accepted while it equals the target's argmax before it), the accepted drafts and the target's
+next token are emitted, and the manager rolls the rejected drafts back (`reject_tokens`). Greedy
+speculative decoding emits exactly the tokens of greedy decoding. The on-device loop proposes
+(`_propose_ngram`, `_draft_passes`), verifies and rolls back the same way inside its `lax.scan`.
 """
 
 from __future__ import annotations
@@ -105,9 +106,20 @@ def ngram_proposer(num_drafts: int, max_ngram: int = 3):
     return propose
 
 
-def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata):
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """A draft model for speculative decoding: the target's first `num_layers` layers and its head (same
+    tokenizer and weights). Its layers' K/V are the target's own at every verified position, so it reads
+    and writes the target's cache: each of its `num_drafts` passes writes one position that the
+    verification pass then rewrites."""
+
+    num_drafts: int
+    num_layers: int
+
+
+def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata, num_layers=None):
     model = nnx.merge(graphdef, params)
-    return model.forward_paged(tokens, cache, meta, mesh)
+    return model.forward_paged(tokens, cache, meta, mesh, num_layers=num_layers)
 
 
 def _propose_ngram(history, length, num_drafts: int, max_ngram: int = 3):
@@ -131,6 +143,26 @@ def _propose_ngram(history, length, num_drafts: int, max_ngram: int = 3):
     return drafts, jnp.where(found, jnp.clip(length - follows, 0, num_drafts), 0)
 
 
+def _draft_passes(graphdef, mesh, kv_cfg, num_layers, max_drafts, params, cache, state, req_slots, token, num_drafts):
+    """A `DraftModel`'s drafts, after the allocation that gave them slots. Pass j computes each row's position
+    n + j (n: its verified tokens; the input is its next token, then its drafts) through the first
+    `num_layers` layers, writing their K/V, and proposes the token after it. token int32[R]; num_drafts
+    int32[R] ≤ `max_drafts` K (static; 0: no pass). Returns (cache, drafts int32[R, K])."""
+    drafts = []
+    for j in range(max_drafts):
+        active = num_drafts > j
+        # The row's count ends after its drafts: its position n + j is num_drafts − j before the end.
+        meta = jaxkv.step_metadata(
+            state, req_slots, active.astype(jnp.int32), num_drafts - j, cfg=kv_cfg, num_tokens=req_slots.shape[0]
+        )
+        packed = token[jnp.argsort(~active, stable=True)]  # the active rows' tokens, in row order
+        logits, cache = _model_step(graphdef, mesh, params, cache, packed, meta, num_layers=num_layers)
+        proposed = jnp.argmax(logits[meta.query_start_loc[:-1]], axis=-1).astype(jnp.int32)
+        drafts.append(proposed)
+        token = jnp.where(active, proposed, token)
+    return cache, jnp.stack(drafts, axis=1)
+
+
 def _decode_loop(
     graphdef,
     mesh,
@@ -138,6 +170,7 @@ def _decode_loop(
     prefix,
     copies,
     num_drafts,
+    draft_layers,
     num_steps,
     params,
     cache,
@@ -155,8 +188,9 @@ def _decode_loop(
     int32[R, E] each row's EOS ids (-1 padding: a row stops after producing one). With `copies` (static: hits
     may end inside a block), the block copies an allocation makes (a row whose last step ended at its prompt
     tail moves to a copy of its state) are applied before the step's forward pass and released by the next
-    allocation. With `num_drafts` K > 0 (static), each row also schedules up to K prompt-lookup drafts
-    (`_propose_ngram`), verified greedily; the rejected ones roll back at the row's next allocation.
+    allocation. With `num_drafts` K > 0 (static), each row also schedules up to K drafts, verified greedily
+    (the rejected ones roll back at the row's next allocation): prompt lookup (`_propose_ngram`), or with
+    `draft_layers` (static) K passes of the target's first layers after the allocation (`DraftModel`).
 
     Returns the state, the cache, per step (leading axis N) and row: produced bool, emitted int32 (tokens
     produced: the accepted drafts and the next token, cut at EOS and `remaining`), tokens int32[.., 1 + K] and
@@ -175,7 +209,10 @@ def _decode_loop(
         token = history[jnp.arange(num_rows), length - 1]
         drafts, num_new_drafts = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros(num_rows, jnp.int32)
         if num_drafts:
-            drafts, num_new_drafts = _propose_ngram(history, length, num_drafts)
+            if draft_layers is None:
+                drafts, num_new_drafts = _propose_ngram(history, length, num_drafts)
+            else:
+                num_new_drafts = jnp.full(num_rows, num_drafts, jnp.int32)
             room = jnp.minimum(left, kv_cfg.max_model_len - length + 1)
             num_new_drafts = jnp.clip(jnp.minimum(num_new_drafts, room - 1), 0, num_drafts)
         state, result = st.allocate(
@@ -195,6 +232,20 @@ def _decode_loop(
             counts = counts.at[0].add(jnp.sum(pinned != jaxkv.NULL_BLOCK, dtype=jnp.int32))
         produced = result.ok & wanted
         num_new = jnp.where(produced, 1 + num_new_drafts, 0)
+        if draft_layers is not None:
+            cache, drafts = _draft_passes(
+                graphdef,
+                mesh,
+                kv_cfg,
+                draft_layers,
+                num_drafts,
+                params,
+                cache,
+                state,
+                req_slots,
+                token,
+                jnp.where(produced, num_new_drafts, 0),
+            )
         meta = jaxkv.step_metadata(state, req_slots, num_new, cfg=kv_cfg, num_tokens=num_rows * width)
         # The rows' tokens packed in row order as `meta` packs them; row r's logits sit at its first token on.
         start = meta.query_start_loc[:-1]
@@ -216,7 +267,8 @@ def _decode_loop(
         ends = jnp.any(is_eos, axis=1)
         emitted = jnp.where(ends, jnp.argmax(is_eos, axis=1) + 1, emitted)
         history = history.at[
-            jnp.arange(num_rows)[:, None], jnp.where(offsets < emitted[:, None], length[:, None] + offsets, history.shape[1])
+            jnp.arange(num_rows)[:, None],
+            jnp.where(offsets < emitted[:, None], length[:, None] + offsets, history.shape[1]),
         ].set(targets, mode="drop")
         counts = counts.at[1:].add(
             jnp.stack([jnp.sum(jnp.where(produced, num_new_drafts, 0)), jnp.sum(jnp.where(produced, accepted, 0))])
@@ -260,7 +312,8 @@ class ServingLoop:
         self.record_logits = record_logits
         if not jaxkv.is_typed(kv_cfg) and getattr(model, "typed_cache", True):
             raise ValueError("the example model needs a typed cache (every layer the same page shape)")
-        self.proposer = proposer  # tokens -> draft tokens (at most proposer.num_drafts); None: no speculation
+        # tokens -> draft tokens (at most proposer.num_drafts), or a DraftModel; None: no speculation
+        self.proposer = proposer
         self.mgr = KVCacheManager(
             kv_cfg,
             max_num_seqs=max_num_seqs,
@@ -281,9 +334,24 @@ class ServingLoop:
         )
         copies = bool(partial_groups(kv_cfg, self.mgr.prefix_config))  # hits may end inside a block
         num_drafts = 0 if proposer is None else proposer.num_drafts
+        draft_layers = proposer.num_layers if isinstance(proposer, DraftModel) else None
+        if draft_layers is not None:
+            self._draft_passes = jax.jit(  # -> cache, drafts
+                functools.partial(_draft_passes, graphdef, mesh, kv_cfg, draft_layers, num_drafts),
+                donate_argnums=(1,),
+                **out_shardings(mesh, "cache", "replicated"),
+            )
         self._decode_loop = jax.jit(  # see _decode_loop for what it returns
             functools.partial(
-                _decode_loop, graphdef, mesh, kv_cfg, self.mgr.prefix_config, copies, num_drafts, decode_steps
+                _decode_loop,
+                graphdef,
+                mesh,
+                kv_cfg,
+                self.mgr.prefix_config,
+                copies,
+                num_drafts,
+                draft_layers,
+                decode_steps,
             ),
             donate_argnums=(1, 2),
             **out_shardings(mesh, "replicated", "cache", *["replicated"] * 8),
@@ -353,7 +421,10 @@ class ServingLoop:
                 asks.append(self._chunk(req, req.num_computed, left))
                 if asks[-1] == 1 and len(req.tokens) - req.num_computed == 1 and self.proposer is not None:
                     room = min(left, req.max_new_tokens - len(req.output), self.kv_cfg.max_model_len - len(req.tokens))
-                    req.drafts = self.proposer(req.tokens)[: room - 1]
+                    if isinstance(self.proposer, DraftModel):  # proposed after the allocation (_run_model)
+                        req.drafts = [-1] * min(self.proposer.num_drafts, room - 1)
+                    else:
+                        req.drafts = self.proposer(req.tokens)[: room - 1]
                     asks[-1] += len(req.drafts)
                 left -= asks[-1]
             ok = self.mgr.allocate_slots_batch([r.request_id for r in rows], asks)
@@ -412,16 +483,18 @@ class ServingLoop:
         self.stats.preemptions += 1
 
     def _run_model(self, scheduled: list[tuple[Request, int]]):
-        tokens = np.zeros(self.max_num_batched_tokens, np.int32)
-        t = 0
-        for req, k in scheduled:
-            tokens[t : t + k] = (req.tokens + req.drafts)[req.num_computed : req.num_computed + k]
-            t += k
         copies = self.mgr.take_block_copies()
         if len(copies):  # padded to a multiple of 8 rows (NULL_BLOCK copies nothing): few compilations
             copies = np.pad(copies, ((0, -len(copies) % 8), (0, 0)))
             self.cache = jaxkv.copy_blocks(self.cache, copies, cfg=self.kv_cfg)
             self.stats.block_copies += int((copies[:, 1] != jaxkv.NULL_BLOCK).sum())
+        if isinstance(self.proposer, DraftModel) and any(req.drafts for req, _ in scheduled):
+            self._propose_drafts([req for req, _ in scheduled])
+        tokens = np.zeros(self.max_num_batched_tokens, np.int32)
+        t = 0
+        for req, k in scheduled:
+            tokens[t : t + k] = (req.tokens + req.drafts)[req.num_computed : req.num_computed + k]
+            t += k
         rids = [req.request_id for req, _ in scheduled]
         meta = self.mgr.step_metadata(rids, [k for _, k in scheduled], num_tokens=self.max_num_batched_tokens)
         logits, self.cache = self._model_step(self.params, self.cache, tokens, meta)
@@ -447,6 +520,19 @@ class ServingLoop:
             if req.num_computed >= len(req.tokens):  # the next token, after the accepted drafts
                 sampled = row_logits[len(req.tokens) - req.num_computed - 1 :]
                 self._emit(req, np.argmax(sampled, axis=-1).tolist())
+
+    def _propose_drafts(self, reqs: list[Request]):
+        """The draft model's passes for the requests' draft slots, which their allocation gave them."""
+        num_rows = self.max_num_seqs
+        req_slots = np.full(num_rows, num_rows, np.int32)
+        token, num_drafts = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
+        req_slots[: len(reqs)] = self.mgr.slots_of([r.request_id for r in reqs])
+        for i, req in enumerate(reqs):
+            token[i], num_drafts[i] = req.tokens[-1], len(req.drafts)
+        self.cache, drafts = self._draft_passes(self.params, self.cache, self.mgr.state, req_slots, token, num_drafts)
+        drafts = np.asarray(drafts)
+        for i, req in enumerate(reqs):
+            req.drafts = drafts[i, : len(req.drafts)].tolist()
 
     def _device_decode(self) -> bool:
         """Runs `decode_steps` decode steps on device; True if a row could not get a block (stalled)."""

@@ -51,3 +51,12 @@ def test_speculative_decoding_gives_the_greedy_tokens(one_device):
     assert 0 < accepted < proposed  # some drafts verified, some rejected and rolled back
     assert int(re.search(r"preemptions: (\d+)", out).group(1)) >= 1
     assert int(re.search(r"prefix-hit rate: (\d+)/", out).group(1)) > 0
+
+
+def test_draft_model_speculation_gives_the_greedy_tokens(one_device):
+    # The target's first 3 layers and its head propose 4 drafts, writing into the target's cache.
+    out = run_decode("--speculate", "draft:4")
+    assert re.search(r"check: \d+ logit rows of 8 requests .*; 0 mismatching requests", out)
+    assert DIGEST.search(out).group(1) == DIGEST.search(one_device).group(1)
+    accepted, proposed = map(int, re.search(r"(\d+)/(\d+) drafts accepted", out).groups())
+    assert 0 < accepted < proposed

@@ -1,9 +1,11 @@
-"""The example's serving loop stops a request at its EOS ids, in the host step and in device loops."""
+"""The example's serving loop stops a request at its EOS ids, in the host step and in device loops, and
+speculates (prompt lookup or a draft model) inside device loops with the greedy tokens."""
 
 from __future__ import annotations
 
 import sys
 
+import pytest
 from decode_runs import EXAMPLES
 
 sys.path.insert(0, str(EXAMPLES))
@@ -37,14 +39,15 @@ def test_requests_stop_at_their_first_eos_token():
         assert loop.mgr.num_free_blocks == cfg.num_blocks - 1  # every request was freed
 
 
-def test_speculative_device_loops_give_the_greedy_tokens():
-    # Repetitive prompts: prompt lookup proposes drafts that the tiny model often accepts. Both prompts
-    # decode inside device loops, whose allocations take drafts, verify them and roll rejected ones back;
-    # an EOS inside the accepted drafts stops a request there.
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_device_loops_give_the_greedy_tokens(proposer):
+    # Repetitive prompts: prompt lookup (or the first 3 of the 6 layers) proposes drafts that the tiny model
+    # often accepts. Both prompts decode inside device loops, whose allocations take drafts, verify them and
+    # roll rejected ones back; an EOS inside the accepted drafts stops a request there.
     from check import compare_with_dense
     from flax import nnx
     from model import Decoder, ModelConfig
-    from serving import ServingLoop, ngram_proposer
+    from serving import DraftModel, ServingLoop, ngram_proposer
 
     import jaxkv
 
@@ -61,7 +64,7 @@ def test_speculative_device_loops_give_the_greedy_tokens():
         max_num_batched_tokens=16,
         decode_steps=8,
         record_logits=True,
-        proposer=ngram_proposer(4),
+        proposer=ngram_proposer(4) if proposer == "ngram" else DraftModel(num_drafts=4, num_layers=3),
     )
     served = loop.generate(prompts, 30)
     assert [r.output for r in served] == expected
