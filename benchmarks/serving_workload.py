@@ -35,6 +35,12 @@ JSON line; exits non-zero if a block is not back in the pool at the end.
     python benchmarks/serving_workload.py --workload /tmp/workload.json --json
     python benchmarks/serving_workload.py --workload /tmp/workload.json --num-blocks 32768 --json
 
+`--speculate K`: speculative decoding with K drafts per decoding row (the rule of
+benchmarks/vllm_workload_speculate.patch, vLLM's side): a running request whose last sampled token
+is its only uncomputed one schedules it and d = min(K, outputs left − 1, budget − 1, room) drafts, of
+which a = (id + outputs so far) mod (d + 1) are accepted: the step rejects d − a
+(`reject_tokens_batch`, timed), the request advances by 1 + a and appends a + 1 tokens.
+
 `--trace FILE` writes what each step scheduled, preempted and left free; with prefix
 caching off on vLLM's side, `benchmarks/compare_vllm_trace.py` checks it against the
 trace of ../shared/peers/vllm/workload.py step by step.
@@ -128,7 +134,9 @@ def replay(args, workload: dict, trace=None) -> dict:
     vocab = workload["vocab"]
     cfg = gemma3_27b_config(args.num_blocks, args.max_model_len, args.max_num_batched_tokens)
     caching = not args.no_prefix_caching
-    mgr = KVCacheManager(cfg, max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching)
+    mgr = KVCacheManager(
+        cfg, max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching, num_speculative_tokens=args.speculate
+    )
     compile_s = warm_up(mgr)
     total_blocks = cfg.num_blocks - 1
 
@@ -143,9 +151,18 @@ def replay(args, workload: dict, trace=None) -> dict:
     pc = time.perf_counter
     step_kv_us: list[float] = []  # lookups, allocations, frees, request arrivals
     step_all_us: list[float] = []  # every manager call of the step, token appends included
-    call_us = {"allocate": 0.0, "add_request": 0.0, "lookup": 0.0, "free": 0.0, "mark": 0.0, "append": 0.0}
+    call_us = {
+        "allocate": 0.0,
+        "add_request": 0.0,
+        "lookup": 0.0,
+        "free": 0.0,
+        "mark": 0.0,
+        "reject": 0.0,
+        "append": 0.0,
+    }
     calls = dict.fromkeys(call_us, 0)
     hit_tokens = peak_used = preemptions = admission_failures = admitted = finished = tokens_scheduled = 0
+    drafts_proposed = drafts_accepted = 0
     t_wall = pc()
 
     def timed(name, fn, *a, **kw):
@@ -176,6 +193,9 @@ def replay(args, workload: dict, trace=None) -> dict:
             if budget <= 0:
                 break
             n = min(len(req.token_ids) - req.num_computed, budget)
+            if args.speculate and len(req.token_ids) - req.num_computed == 1:
+                room = min(req.output_len - req.num_output, budget, args.max_model_len - len(req.token_ids) + 1)
+                n += max(min(args.speculate, room - 1), 0)  # drafts
             batch.append((req, n))
             budget -= n
         # Candidates go in rounds: a candidate that may share a prefix with an earlier one of the
@@ -287,20 +307,36 @@ def replay(args, workload: dict, trace=None) -> dict:
 
         # (3) Model step; the manager is told it ran (what it wrote may be cached when its requests are freed).
         timed("mark", mgr.mark_computed)
-        done, sampled = [], []
+        done, sampled, rejected = [], [], []
         for req, n in scheduled:
-            req.num_computed += n
             tokens_scheduled += n
+            num_drafts = req.num_computed + n - len(req.token_ids)
+            num_emitted = 1
+            if num_drafts > 0:  # verification: a deterministic number of drafts accepted
+                accepted = (req.idx + req.num_output) % (num_drafts + 1)
+                rejected.append((req, num_drafts - accepted))
+                drafts_proposed += num_drafts
+                drafts_accepted += accepted
+                n -= num_drafts - accepted
+                num_emitted += accepted
+            req.num_computed += n
             if req.num_computed < len(req.token_ids):
                 continue
-            token = output_token(req.idx, req.num_output, vocab)
-            req.token_ids.append(token)
-            req.num_output += 1
-            sampled.append(req)
+            for _ in range(num_emitted):
+                req.token_ids.append(output_token(req.idx, req.num_output, vocab))
+                req.num_output += 1
+            sampled.append((req, num_emitted))
             if req.num_output >= req.output_len:
                 done.append(req)
+        if rejected:
+            timed("reject", mgr.reject_tokens_batch, [r.idx for r, _ in rejected], [k for _, k in rejected])
         if sampled:  # the step's sampled tokens, in one call
-            timed("append", mgr.append_token_ids_batch, [r.idx for r in sampled], [r.token_ids[-1:] for r in sampled])
+            timed(
+                "append",
+                mgr.append_token_ids_batch,
+                [r.idx for r, _ in sampled],
+                [r.token_ids[len(r.token_ids) - k :] for r, k in sampled],
+            )
         if done:
             timed("free", mgr.free_batch, [r.idx for r in done])
             for req in done:
@@ -349,6 +385,9 @@ def replay(args, workload: dict, trace=None) -> dict:
         "preemptions": preemptions,
         "finished": finished,
         "tokens_scheduled": tokens_scheduled,
+        "speculate": args.speculate,
+        "drafts_proposed": drafts_proposed,
+        "drafts_accepted": drafts_accepted,
         "final_blocks_used": final_used,
         "wall_s": wall_s,
     }
@@ -362,6 +401,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
+    p.add_argument("--speculate", type=int, default=0, metavar="K", help="K drafts per decoding row (0: off)")
     p.add_argument("--warmup-replays", type=int, default=1, help="untimed replays first (0: time the first one)")
     p.add_argument(
         "--trace",
