@@ -69,9 +69,11 @@ def run_random_ops(name, caching, data, speculate=False):
                 hits.append(hit)
                 remaining = lean.num_tokens(rid) - lean.num_computed_tokens(rid) - hit
                 new.append(data.draw(st.integers(0, min(remaining, 4)), label="new"))
-                room = 16 - lean.num_computed_tokens(rid) - hit - new[-1]
+                room = 16 - lean.num_computed_tokens(rid) - hit - new[-1]  # max_model_len 16
                 if speculate and new[-1] == remaining:  # the known tokens all scheduled: drafts may follow
-                    new[-1] += data.draw(st.integers(0, min(spec, room)), label="drafts")
+                    drafts = data.draw(st.integers(0, min(spec, room)), label="drafts")
+                    new[-1] += drafts
+                    room -= drafts
                 lookahead.append(data.draw(st.integers(0, min(2, room))) if speculate else 0)
             must_fit = data.draw(st.booleans(), label="must_fit")
             ok = [
