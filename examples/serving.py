@@ -119,6 +119,8 @@ class DraftModel:
 
 def _model_step(graphdef, mesh, params, cache, tokens, meta: jaxkv.StepMetadata, num_layers=None):
     model = nnx.merge(graphdef, params)
+    if num_layers is None:  # the whole model (Qwen3-Next's takes no num_layers: no draft model for it)
+        return model.forward_paged(tokens, cache, meta, mesh)
     return model.forward_paged(tokens, cache, meta, mesh, num_layers=num_layers)
 
 
