@@ -1,0 +1,179 @@
+"""The host backend (`jaxkv.core.host.HostState`) against the plain-Python model, in lock step: random
+operation sequences (hits inside blocks, copies, windows, state groups, drafts and rollbacks), every
+structure compared after every operation. The model is compared with the jitted state by the
+other suites, so equal here means equal to the jitted transitions too."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from model_reference import ModelState
+from tiny_configs import chunked, full, make_cfg, mamba, sliding
+
+from jaxkv.core.host import HostState, ints_to_keys, keys_to_ints
+from jaxkv.prefix.hashing import prompt_unit_hashes
+from jaxkv.prefix.state import PrefixCacheConfig
+
+NUM_SLOTS = 4
+CASES = {
+    "full_sw": (make_cfg(18, full(2), sliding(2, 4)), None),
+    "all_kinds": (make_cfg(30, full(2), sliding(2, 4), chunked(2, 4), mamba(2)), None),
+    "mixed_block_sizes": (make_cfg(40, full(2), sliding(4, 6), mamba(4)), None),
+    "unit_below_block": (make_cfg(24, full(4), sliding(4, 6)), 2),
+    "hybrid_state_unit": (make_cfg(30, mamba(4), mamba(4), full(4)), 2),
+    "full_unit": (make_cfg(16, full(4)), 2),
+}
+SPECULATIVE = ("full_sw", "unit_below_block", "full_unit")
+PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), (1, 2, 3, 4, 5, 6, 40, 41, 42, 43), (60, 61, 62, 63))
+
+
+def assert_host_matches(host: HostState, model: ModelState) -> None:
+    np.testing.assert_array_equal(host.tables, np.asarray(model.tables), err_msg="block tables")
+    assert host.num_computed == model.num_computed, "num_computed"
+    assert [list(x) for x in zip(*host.first_live)] == model.first_live, "first_live"
+    assert host.ref == model.ref_cnt, "ref_cnt"
+    assert list(reversed(host._head)) + list(host._tail) == model.order, "free order"
+    assert host.num_free == model.num_free_blocks
+    assert {b: g for b, g in enumerate(host.group_of) if g >= 0} == model.cached_group, "cached groups"
+    if model.prefix is None:
+        return
+    entries = {
+        (tuple(ints_to_keys([key])[0].tolist()), g): block
+        for key, fields in host.index.items()
+        for g, block in enumerate(fields)
+        if block
+    }
+    assert entries == model.index.entries(), "index"
+    for block, g in model.cached_group.items():
+        assert host.index[host.key_of[block]][g] == block, "key_of"
+    used = np.bincount([key & (host.num_buckets - 1) for key in host.index], minlength=host.num_buckets)
+    assert host.bucket_used == used.tolist(), "bucket counts"
+    assert [list(x) for x in zip(*host.num_cached)] == model.num_cached, "num_cached"
+    assert host.prompt_len == model.prompt_len and host.shared_len == model.shared_len
+    assert host.copies == model.copies, "pending copies"
+    assert [ints_to_keys(h).tolist() for h in host.hashes] == [[list(k) for k in h] for h in model.hashes]
+
+
+def run_lock_step(data, cfg, unit, caching=True, speculate=False):
+    prefix = PrefixCacheConfig.for_config(cfg, unit) if caching else None
+    host, model = HostState(cfg, NUM_SLOTS, prefix), ModelState(cfg, NUM_SLOTS, prefix)
+    live: dict[int, list[int]] = {}  # slot -> tokens, in admission order
+    prompt_len: dict[int, int] = {}
+    looked_up: dict[int, tuple[int, int]] = {}
+    rejected: dict[int, int] = {}
+    pending: list[int] = []  # copy destinations not released yet
+    eagle = speculate and data.draw(st.booleans(), label="eagle")
+    max_len = cfg.max_model_len
+
+    def keys_of(tokens):
+        return prompt_unit_hashes(tokens, prefix.unit) if caching else None
+
+    def lookup(slot):
+        keys = keys_of(live[slot])
+        looked_up[slot] = host.lookup(keys_to_ints(keys), len(live[slot]), eagle)
+        assert looked_up[slot] == model.lookup(keys, len(live[slot]), eagle)
+
+    for _ in range(data.draw(st.integers(1, 40), label="num_ops")):
+        op = data.draw(st.sampled_from(["add", "allocate", "allocate", "allocate", "free", "preempt"]))
+        if op == "add" and len(live) < NUM_SLOTS:
+            base = data.draw(st.sampled_from(PREFIXES), label="prefix")
+            tokens = list(base[: data.draw(st.integers(0, len(base)), label="shared")])
+            tokens += data.draw(st.lists(st.integers(70, 72), max_size=max_len - len(tokens)), label="tail")
+            if tokens:
+                slot = min(set(range(NUM_SLOTS)) - set(live))
+                live[slot], prompt_len[slot] = tokens, len(tokens)
+                if caching:
+                    lookup(slot)
+        elif op == "allocate" and live:
+            slots = list(data.draw(st.permutations(sorted(live)), label="order"))
+            slots = slots[: data.draw(st.integers(1, len(slots)), label="batch_size")]
+            row_rejected = [rejected.pop(slot, 0) for slot in slots]
+            new_tokens, full_tokens, hits, shared, drafts = [], [], [], [], {}
+            for slot, r in zip(slots, row_rejected):
+                tokens, n = live[slot], model.num_computed[slot] - r
+                if n == len(tokens) and len(tokens) < max_len:
+                    tokens.append(data.draw(st.integers(70, 72), label="decoded"))
+                    if speculate:
+                        drafts[slot] = data.draw(st.integers(0, min(3, max_len - len(tokens))), label="drafts")
+                hit, shared_len = looked_up.pop(slot, (0, 0)) if n == 0 and caching else (0, 0)
+                hits.append(hit)
+                shared.append(shared_len)
+                if slot in drafts:
+                    new_tokens.append(1 + drafts[slot])
+                    full_tokens.append(0)
+                    continue
+                limit = min(len(tokens) - n - hit, 8)
+                to_tail = ((prompt_len[slot] - 1) // prefix.unit) * prefix.unit - n - hit if caching else 0
+                if 0 < to_tail <= limit and data.draw(st.booleans(), label="end_at_tail"):
+                    new_tokens.append(to_tail)
+                else:
+                    new_tokens.append(data.draw(st.integers(0, limit), label="num_new_tokens"))
+                full_tokens.append(len(tokens) if n == 0 and data.draw(st.booleans(), label="must_fit") else 0)
+            if caching:
+                released = data.draw(st.lists(st.sampled_from(pending), unique=True), label="rel") if pending else []
+                pending = [d for d in pending if d not in released]
+                host.release_copies(released)
+                model.release_copies(released)
+                for slot, tokens in live.items():
+                    keys = keys_of(tokens)
+                    host.hashes[slot] = keys_to_ints(keys)
+                    model.set_hashes(slot, keys)
+            host.roll_back(slots, row_rejected)
+            model.roll_back(slots, row_rejected)
+            prompts = [prompt_len[s] for s in slots]
+            ok, num_hit, copies = host.allocate(
+                slots, new_tokens, full_tokens, hits if caching else None, prompts, shared if caching else None
+            )
+            expected = model.allocate(
+                slots, new_tokens, full_tokens, hits if caching else None, prompts, shared if caching else None
+            )
+            assert ok == expected
+            assert num_hit == sum(h for h, fits in zip(hits, ok) if fits)
+            if caching:
+                assert copies == model.last_copies
+                pending += [dst for _, dst, _ in copies.values()]
+            for slot, fits in zip(slots, ok):
+                if fits and slot in drafts:  # verification accepts some drafts
+                    accepted = data.draw(st.integers(0, drafts[slot]), label="accepted")
+                    live[slot] += [80] * accepted
+                    rejected[slot] = drafts[slot] - accepted
+        elif op in ("free", "preempt") and live:
+            slots = (
+                [list(live)[-1]]
+                if op == "preempt"
+                else data.draw(st.lists(st.sampled_from(sorted(live)), min_size=1, unique=True), label="free")
+            )
+            aborted = caching and data.draw(st.booleans(), label="aborted")
+            written = [max(0, model.num_computed[s] - 3) for s in slots] if aborted else None
+            host.free(slots, written)
+            model.free(slots, written)
+            for slot in slots:
+                rejected.pop(slot, None)
+                tokens = live.pop(slot)
+                looked_up.pop(slot, None)
+                if op == "preempt":
+                    live[slot], prompt_len[slot] = tokens, len(tokens)
+                else:
+                    del prompt_len[slot]
+        assert_host_matches(host, model)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_host_state_equals_the_model(case, data):
+    run_lock_step(data, *CASES[case])
+
+
+@pytest.mark.parametrize("case", ["full_sw", "all_kinds"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_host_state_without_prefix_caching_equals_the_model(case, data):
+    run_lock_step(data, *CASES[case], caching=False)
+
+
+@pytest.mark.parametrize("case", SPECULATIVE)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_host_state_with_drafts_equals_the_model(case, data):
+    run_lock_step(data, *CASES[case], speculate=True)
