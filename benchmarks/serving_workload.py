@@ -135,7 +135,11 @@ def replay(args, workload: dict, trace=None) -> dict:
     cfg = gemma3_27b_config(args.num_blocks, args.max_model_len, args.max_num_batched_tokens)
     caching = not args.no_prefix_caching
     mgr = KVCacheManager(
-        cfg, max_num_seqs=args.max_num_seqs, enable_prefix_caching=caching, num_speculative_tokens=args.speculate
+        cfg,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=caching,
+        num_speculative_tokens=args.speculate,
+        backend=args.backend,
     )
     compile_s = warm_up(mgr)
     total_blocks = cfg.num_blocks - 1
@@ -357,6 +361,7 @@ def replay(args, workload: dict, trace=None) -> dict:
         "impl": "jaxkv",
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
+        "state_backend": args.backend,
         "workload_file": args.workload,
         "num_blocks": cfg.num_blocks,
         "num_groups": len(cfg.groups),
@@ -402,6 +407,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     p.add_argument("--speculate", type=int, default=0, metavar="K", help="K drafts per decoding row (0: off)")
+    p.add_argument("--backend", choices=("jax", "host"), default="jax", help="the manager's state backend")
     p.add_argument("--warmup-replays", type=int, default=1, help="untimed replays first (0: time the first one)")
     p.add_argument(
         "--trace",

@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import state as st
+from jaxkv.core.host import HostState, keys_to_ints
+from jaxkv.core.host_convert import load_state, to_state
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepBatch, StepWork, allocate_step, rollback_ranges, walk_units
 from jaxkv.metadata import StepMetadata, step_metadata
@@ -205,6 +207,7 @@ class KVCacheManager:
         device: jax.Device | None = None,
         num_speculative_tokens: int = 0,
         use_eagle: bool = False,
+        backend: str = "jax",
     ):
         if not isinstance(cfg, KVCacheConfig):
             raise TypeError(f"cfg must be a KVCacheConfig (from jaxkv.plan), got {type(cfg).__name__}")
@@ -234,9 +237,18 @@ class KVCacheManager:
             PrefixCacheConfig.for_config(cfg, prefix_match_unit) if self.enable_prefix_caching else None
         )
         self.hash_mode = hash_mode
-        self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
-        if device is not None:
-            self._state = jax.device_put(self._state, device)
+        if backend not in ("jax", "host"):
+            raise ValueError(f"{backend=} must be 'jax' (jitted transitions) or 'host' (in place, on the host)")
+        if backend == "host" and device is not None:
+            raise ValueError(f"{device=} given with backend='host', whose state is host memory; drop one")
+        self.backend = backend
+        self._host = HostState(cfg, self.max_num_seqs, self.prefix_config) if backend == "host" else None
+        self._host_taken = False  # the host state was handed over (take_state)
+        self._state = None
+        if self._host is None:
+            self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
+            if device is not None:
+                self._state = jax.device_put(self._state, device)
         (self._allocate_fn, self._free_fn, self._lookup_fn, self._store_fn, self._set_counts_fn, self._programs) = (
             _jitted(cfg, self.prefix_config, self.use_eagle)
         )
@@ -368,6 +380,8 @@ class KVCacheManager:
         slots = self._slots(request_ids)
         if self.prefix_config is None or not len(slots):
             return np.zeros(len(slots), np.int64)
+        if self._host is not None:
+            return self._lookup_host(slots)
         if self._has_state_groups or not self._pending_ran():
             # A freed request's last state block becomes findable as it is freed; the blocks of a step not
             # known to have run leave the index.
@@ -389,6 +403,19 @@ class KVCacheManager:
             self.prefix_stats[name] += value
         self._shared_len[slots] = packed[num_rows : num_rows + len(slots)]
         return packed[: len(slots)].astype(np.int64)
+
+    def _lookup_host(self, slots: np.ndarray) -> np.ndarray:
+        hits = np.zeros(len(slots), np.int64)
+        host, stats = self._host, self.prefix_stats
+        for i, slot in enumerate(slots.tolist()):
+            keys, num_tokens = host.hashes[slot], int(self._num_tokens[slot])
+            hits[i], self._shared_len[slot] = hit, shared = host.lookup(keys, num_tokens, self.use_eagle)
+            if keys:
+                stats["lookups"] += 1
+                stats["lookup_tokens"] += num_tokens
+                stats["hit_tokens"] += hit
+                stats["reconciliation_miss_tokens"] += shared - hit
+        return hits
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
         """Records tokens the model produced for the request: the step that produced them ran, so
@@ -531,6 +558,8 @@ class KVCacheManager:
                     f"request ({len(slots)}) or a single bool"
                 )
             full[:] = np.where(must_fit, num_tokens, 0)
+        if self._host is not None:
+            return self._allocate_host(slots, num_new, hits, full, lookahead)
         if len(self._pending_free) > FREE_ROWS:
             self._flush_frees()
         if self.prefix_config is not None and self._num_uploads > UPLOAD_ROWS:
@@ -618,6 +647,54 @@ class KVCacheManager:
         self._num_computed[slots[ok]] += (num_new + hits)[ok]
         self._num_written[slots[ok]] += hits[ok]  # claimed hits hold cached content
         self._record_unverified(slots, np.where(ok, drafts, 0), np.where(ok, lookahead, 0))
+        self._check()
+        return ok
+
+    def _allocate_host(self, slots, num_new, hits, full, lookahead) -> np.ndarray:
+        """`allocate_slots_batch` on the host state: the rows with block work go through its transition,
+        the others only advance their counts."""
+        host, caching = self._host, self.prefix_config is not None
+        num_computed, num_tokens = self._num_computed[slots], self._num_tokens[slots]
+        self._num_written[slots] = num_computed  # this call says the rows' earlier steps ran
+        pending = self._pending_reject[slots]
+        if pending.any():  # rejected drafts and the last call's lookahead slots
+            host.roll_back(slots.tolist(), pending.tolist())
+            self._pending_reject[slots] = 0
+        if self._release:
+            host.release_copies(self._release)
+            self._release.clear()
+        _, work_rows = self._plan_step(slots, num_computed, num_new, hits, full, None, lookahead)
+        sel = slots[work_rows]
+        first_call = num_computed[work_rows] == 0
+        ok_rows, num_hit, copies = host.allocate(
+            sel.tolist(),
+            num_new[work_rows].tolist(),
+            full[work_rows].tolist() if full.any() else None,
+            hits[work_rows].tolist() if caching else None,
+            self._num_prompt[sel].tolist() if self._tails else None,
+            np.where(first_call, self._shared_len[sel], 0).tolist() if caching else None,
+            lookahead[work_rows].tolist() if lookahead.any() else None,
+        )
+        failed = ok_rows.index(False) if False in ok_rows else None
+        num_ok = len(slots) if failed is None else int(work_rows[failed])
+        ok = np.arange(len(slots)) < num_ok
+        if len(sel) < num_ok:  # rows without block work before the first failed one advance
+            others = np.ones(len(slots), bool)
+            others[work_rows] = False
+            for slot, k in zip(slots[others & ok].tolist(), (num_new + lookahead)[others & ok].tolist()):
+                host.num_computed[slot] += k
+        if copies:
+            self._copies.append(np.array([copies[key] for key in sorted(copies)], np.int32))
+        if len(sel):
+            self._first_live[sel] = [host.first_live[s] for s in sel.tolist()]
+            if caching:
+                self._num_cached[sel] = [host.num_cached[s] for s in sel.tolist()]
+        self.prefix_stats["claimed_hit_tokens"] += num_hit
+        drafts = np.maximum(num_computed + hits + num_new - num_tokens, 0)
+        self._num_computed[slots[ok]] += (num_new + hits)[ok]
+        self._num_written[slots[ok]] += hits[ok]  # claimed hits hold cached content
+        self._record_unverified(slots, np.where(ok, drafts, 0), np.where(ok, lookahead, 0))
+        self.last_work = None
         self._check()
         return ok
 
@@ -792,10 +869,15 @@ class KVCacheManager:
         The device work rides on the next allocation's dispatch (or the next read).
         """
         slots = self._slots(request_ids)
+        if self._host is not None:
+            counts = self._num_computed[slots] + self._pending_reject[slots]  # rejected drafts still held
+            written = self._num_written[slots]
+            written = np.where(written >= self._num_computed[slots], counts, written)
+            self._host.free(slots.tolist(), written.tolist())
         # Requests with nothing computed hold no block; their keys on the device must go too.
         device_counts = self._num_computed[slots] + self._pending_reject[slots]  # rejected drafts still held
         holding = slots[(device_counts > 0) | (self._num_uploaded[slots] > 0)]
-        if holding.size:
+        if holding.size and self._host is None:
             counts = self._num_computed[holding] + self._pending_reject[holding]
             written = self._num_written[holding]
             self._pending_free.extend(holding.tolist())
@@ -822,7 +904,7 @@ class KVCacheManager:
         self._num_cached[slots] = 0
         self._free_slots.extend(slots.tolist())
         if self.debug_checks:
-            self._flush_frees()
+            self._flush_frees() if self._host is None else self._check()
 
     def _pending_ran(self) -> bool:
         """Whether every pending free's last step is known to have run (the free program without uncaching)."""
@@ -852,12 +934,15 @@ class KVCacheManager:
         """Per group, the block ids the request was given, NULL_BLOCK where the group no longer needs one."""
         slot = self._slot(request_id)
         n = int(self._num_computed[slot])
-        rows = np.asarray(jax.device_get(self.state.block_tables[:, slot, :]))
+        tables = self.state.block_tables if self._host is None else self._host.tables
+        rows = np.asarray(jax.device_get(tables[:, slot, :]))
         return tuple(tuple(rows[g, : cdiv(n, bs)].tolist()) for g, bs in enumerate(self._block_sizes))
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: free plus evictable cached ones, the null block excluded."""
+        if self._host is not None:
+            return self._host.num_free
         if self._num_free_blocks is None:
             self._flush_frees()
             self._num_free_blocks = int(self._state.pool.num_free_blocks)
@@ -874,6 +959,10 @@ class KVCacheManager:
         Counts advanced on the host only, pending frees and unit keys are applied first. Pass
         `prefix=mgr.prefix_config` to the transitions.
         """
+        if self._host is not None:
+            if self._host_taken:
+                raise ValueError("the state was handed over (take_state); adopt_state gives it back")
+            return to_state(self._host)
         self._sync_counts()
         self._flush_frees()
         self._flush_uploads()
@@ -881,6 +970,9 @@ class KVCacheManager:
 
     # ---- prefix-cache keys -----------------------------------------------------------------
     def _queue_upload(self, slot: int, first: int, num: int) -> None:
+        if self._host is not None:  # the host state takes the keys now
+            self._host.hashes[slot][first:] = keys_to_ints(self._keys[slot][first : first + num])
+            return
         if num:
             self._uploads.setdefault(slot, first)  # a slot's keys go from its earliest pending unit on
             self._num_uploads += num
@@ -927,6 +1019,7 @@ class KVCacheManager:
             self.allocate_slots_batch(pending, [0] * len(pending))
         state = self.state
         self._state = None
+        self._host_taken = self._host is not None
         return state
 
     def adopt_state(
@@ -949,10 +1042,14 @@ class KVCacheManager:
         their computed tokens is read back from the device (one transfer). Append the
         tokens they produced with `append_token_ids` before scheduling them again.
         """
-        if self._state is not None:
+        if self._state is not None or (self._host is not None and not self._host_taken):
             raise ValueError("adopt_state without take_state: the manager still holds its state")
         slots = self._slots(request_ids)
-        self._state = state
+        if self._host is None:
+            self._state = state
+        else:
+            load_state(self._host, state)
+            self._host_taken = False
         num_computed, first_live, num_free = jax.device_get(
             (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
         )
@@ -979,7 +1076,7 @@ class KVCacheManager:
 
         Raises if block copies were not taken (`take_block_copies`)."""
         self._check_copies_taken()
-        return st.block_tables(self.state, self._slots(request_ids))
+        return st.block_tables(self._tables_state(), self._slots(request_ids))
 
     def slot_mappings(
         self, request_ids: Sequence[Hashable], num_new_tokens: Sequence[int], num_tokens: int
@@ -994,7 +1091,7 @@ class KVCacheManager:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
         slots = self._slots(request_ids)
         return st.slot_mappings(
-            self.state, slots, num_new, self._lookahead_of(slots), cfg=self.cfg, num_tokens=num_tokens
+            self._tables_state(), slots, num_new, self._lookahead_of(slots), cfg=self.cfg, num_tokens=num_tokens
         )
 
     def _lookahead_of(self, slots, num_rows: int | None = None) -> np.ndarray | None:
@@ -1026,12 +1123,24 @@ class KVCacheManager:
             raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
         slots = self._slots(request_ids)
         return _step_metadata(
-            self.state,
+            self._tables_state(),
             self._pad(slots, num_rows, self.max_num_seqs),
             self._pad(num_new, num_rows, 0),
             self._lookahead_of(slots, num_rows),
             cfg=self.cfg,
             num_tokens=num_tokens,
+        )
+
+    def _tables_state(self) -> st.ManagerState:
+        """The state the model-facing reads take (block tables and counts; the host backend's as arrays)."""
+        if self._host is None:
+            return self.state
+        return st.ManagerState(
+            pool=None,
+            block_tables=jnp.asarray(self._host.tables),
+            first_live_idx=None,
+            num_computed=jnp.asarray(self._host.num_computed, jnp.int32),
+            prefix=None,
         )
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -1078,6 +1187,8 @@ class KVCacheManager:
         with and without pending frees, as far as MAX_PROGRAMS allows. Other signatures compile on first
         use (set JAX's persistent compilation cache to keep them across runs). Lookups compile per key
         width on first use."""
+        if self._host is not None:  # nothing to compile
+            return
         uploads = None
         if self.prefix_config is not None:
             uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
@@ -1098,4 +1209,5 @@ class KVCacheManager:
 
     def _check(self) -> None:
         if self.debug_checks:
-            check_invariants(self.cfg, self._state, self.prefix_config)
+            state = self._state if self._host is None else to_state(self._host)
+            check_invariants(self.cfg, state, self.prefix_config)

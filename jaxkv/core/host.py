@@ -7,13 +7,14 @@ padded shapes of a compiled program. `to_state` gives the equal `ManagerState` (
 loops), `load_state` takes one back (`jaxkv.core.host_convert`).
 
 Structures (N blocks, S slots, G groups, M table entries per request):
-* free order: `_head` (blocks pushed at the head, the last pushed popped first) then `_tail`
-  (appended cached blocks, oldest first), both insertion-ordered dicts: O(1) pop, push,
-  append and removal from the middle (a hit on a free cached block);
+* free order: `_head` (a stack of blocks pushed at the head, its last popped first) then
+  `_tail` (appended cached blocks, oldest first; an insertion-ordered dict: O(1) pop,
+  append and removal from the middle, a hit on a free cached block);
 * `ref`, `group_of` (cached group, -1), `key_of` (the cached block's key): lists of N;
 * block tables: int32[G, S, M] (`tables`), written by slices;
-* the index: a dict from a key to one block per group, with the index's bucket capacity
-  (`ways` keys per bucket, `bucket_used`), so that it holds exactly what the device's does;
+* the index: per group a dict from a key to its block (`fields`), and per key the groups that
+  hold it (`entries`), with the index's bucket capacity (`ways` keys per bucket,
+  `bucket_used`), so that it holds exactly what the device's does;
 * keys are 128-bit ints, `w0 | w1 << 32 | w2 << 64 | w3 << 96` of the uint32 words.
 """
 
@@ -27,7 +28,7 @@ from jaxkv.core.state import max_blocks_per_request
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.index import num_buckets_for
-from jaxkv.prefix.rules import HitRule, hit_blocks_reference, hybrid_hit_len_reference
+from jaxkv.prefix.rules import HitRule, hit_blocks_reference
 from jaxkv.prefix.state import PrefixCacheConfig, num_index_entries, partial_groups
 
 _FULL, _SLIDING, _CHUNKED, _MAMBA = range(4)
@@ -70,7 +71,7 @@ class HostState:
         self.cap = [g.spec.blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens) for g in groups]
         n = cfg.num_blocks
         self.ref = [0] * n
-        self._head: OrderedDict[int, None] = OrderedDict()
+        self._head: list[int] = []
         self._tail: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
         self.num_free = n - 1
         self.group_of = [-1] * n
@@ -83,7 +84,8 @@ class HostState:
             self.num_buckets = num_buckets_for(num_index_entries(cfg), prefix.ways)
             self.bucket_used = [0] * self.num_buckets
             self.key_of = [0] * n
-            self.index: dict[int, list[int]] = {}
+            self.fields: list[dict[int, int]] = [{} for _ in groups]  # per group: key -> block
+            self.entries: dict[int, int] = {}  # key -> groups holding it
             self.hashes: list[list[int]] = [[] for _ in range(max_num_seqs)]
             self.num_cached = [[0] * num_groups for _ in range(max_num_seqs)]
             self.shared_len = [0] * max_num_seqs
@@ -101,23 +103,34 @@ class HostState:
             if self.group_of[block] >= 0 and not evict_first:
                 self._tail[block] = None
             else:
-                self._head[block] = None
+                self._head.append(block)
             self.num_free += 1
 
     def _unqueue(self, block: int) -> None:
         if block in self._tail:
             del self._tail[block]
         else:
-            del self._head[block]
+            self._head.remove(block)
         self.num_free -= 1
 
     def _pop(self) -> int:
-        block = self._head.popitem()[0] if self._head else self._tail.popitem(last=False)[0]
-        self.num_free -= 1
-        self.ref[block] = 1
-        if self.group_of[block] >= 0:
-            self._uncache(block)
-        return block
+        return self._pop_many(1)[0]
+
+    def _pop_many(self, k: int) -> list[int]:
+        """The first k free blocks, taken (count 1, evicted from the index if cached)."""
+        head, ref, group_of = self._head, self.ref, self.group_of
+        num_head = min(k, len(head))
+        blocks = head[len(head) - num_head :][::-1]
+        del head[len(head) - num_head :]
+        if k > num_head:
+            popitem = self._tail.popitem
+            blocks += [popitem(last=False)[0] for _ in range(k - num_head)]
+        self.num_free -= k
+        for block in blocks:
+            ref[block] = 1
+            if group_of[block] >= 0:
+                self._uncache(block)
+        return blocks
 
     def _touch(self, block: int) -> None:
         if self.ref[block] == 0:
@@ -130,11 +143,29 @@ class HostState:
         row = self.tables[g, s]
         blocks = row[lo:hi].tolist()
         row[lo:hi] = NULL_BLOCK
-        release = self._release
-        for j in range(hi - 1, lo - 1, -1):
-            block = blocks[j - lo]
-            if block != NULL_BLOCK:
-                release(block, evict_from is not None and j >= evict_from)
+        if evict_from is not None and evict_from < hi:  # from evict_from on, cached blocks go to the head too
+            for j in range(hi - 1, lo - 1, -1):
+                if blocks[j - lo] != NULL_BLOCK:
+                    self._release(blocks[j - lo], j >= evict_from)
+            return
+        self._release_blocks(reversed(blocks))
+
+    def _release_blocks(self, blocks) -> None:
+        """Releases blocks in order (NULL_BLOCK entries skipped)."""
+        ref, group_of, head, tail = self.ref, self.group_of, self._head, self._tail
+        freed = 0
+        for block in blocks:
+            if block == NULL_BLOCK:
+                continue
+            count = ref[block] - 1
+            ref[block] = count
+            if count == 0:
+                freed += 1
+                if group_of[block] >= 0:
+                    tail[block] = None
+                else:
+                    head.append(block)
+        self.num_free += freed
 
     # ---- rules ---------------------------------------------------------------------------------
     def _keep_from(self, g: int, n: int) -> int:
@@ -222,13 +253,13 @@ class HostState:
 
     def _take(self, s: int, n: int, k: int, cow) -> None:
         """New blocks for k tokens after n of slot s (a copy-on-write group's from its hit's block)."""
-        pop = self._pop
+        pop_many = self._pop_many
         for g in range(self.num_groups):
             lo, hi = self._new_range(g, n, k)
             if g in cow:
                 lo = n // self.block_size[g]
             if hi > lo:
-                self.tables[g, s, lo:hi] = [pop() for _ in range(hi - lo)]
+                self.tables[g, s, lo:hi] = pop_many(hi - lo)
 
     def free(self, slots: list[int], num_written: list[int] | None = None) -> None:
         """Releases the slots' blocks, each group tail first. `num_written`: per slot, the tokens a forward
@@ -250,13 +281,11 @@ class HostState:
                     for block in self.tables[g, s, w // self.block_size[g] :].tolist():
                         if block != NULL_BLOCK and self.group_of[block] >= 0:
                             self._uncache(block)
-        release = self._release
         for s in slots:
             for g in range(self.num_groups):
                 row = self.tables[g, s]
                 held = np.flatnonzero(row)
-                for block in reversed(row[held].tolist()):
-                    release(block)
+                self._release_blocks(reversed(row[held].tolist()))
                 row[held] = NULL_BLOCK
                 self.first_live[s][g] = 0
             self.num_computed[s] = 0
@@ -283,45 +312,68 @@ class HostState:
         """Takes a cached block out of the index."""
         g, key = self.group_of[block], self.key_of[block]
         self.group_of[block] = -1
-        fields = self.index[key]
-        fields[g] = NULL_BLOCK
-        if not any(fields):
-            del self.index[key]
+        del self.fields[g][key]
+        held = self.entries[key] - 1
+        if held:
+            self.entries[key] = held
+        else:
+            del self.entries[key]
             self.bucket_used[key & (self.num_buckets - 1)] -= 1
 
     def _probe(self, key: int, g: int) -> int:
-        fields = self.index.get(key)
-        return NULL_BLOCK if fields is None else fields[g]
+        return self.fields[g].get(key, NULL_BLOCK)
+
+    @property
+    def index(self) -> dict[int, list[int]]:
+        """The index entries: key -> one block per group (NULL_BLOCK: none)."""
+        out: dict[int, list[int]] = {}
+        for g, fields in enumerate(self.fields):
+            for key, block in fields.items():
+                out.setdefault(key, [NULL_BLOCK] * self.num_groups)[g] = block
+        return out
+
+    @index.setter
+    def index(self, entries: dict[int, list[int]]) -> None:
+        self.fields = [{} for _ in range(self.num_groups)]
+        self.entries = {}
+        self.bucket_used = [0] * self.num_buckets
+        for key, blocks in entries.items():
+            for g, block in enumerate(blocks):
+                if block != NULL_BLOCK:
+                    self.fields[g][key] = block
+            self.entries[key] = sum(block != NULL_BLOCK for block in blocks)
+            self.bucket_used[key & (self.num_buckets - 1)] += 1
 
     def _cache(self, key: int, fields: dict[int, int], replace: bool = False) -> None:
         """Indexes the blocks `fields` {group: block} under `key` where the key's entry and bucket have room.
         With `replace` (an allocation's caching pass), a block indexed under (key, group) before this pass
         first leaves the index (a free one moves to the head)."""
-        entry = self.index.get(key)
-        if replace and entry is not None:
+        entries, index = self.entries, self.fields
+        if replace and key in entries:
             for g, block in fields.items():
-                old = entry[g]
+                old = index[g].get(key, NULL_BLOCK)
                 if old == NULL_BLOCK or old == block or old in self._cached_this_pass:
                     continue
                 self._uncache(old)
                 if self.ref[old] == 0:
                     self._unqueue(old)
-                    self._head[old] = None
+                    self._head.append(old)
                     self.num_free += 1
-            entry = self.index.get(key)
-        if entry is None:
+        held = entries.get(key, 0)
+        if not held:
             bucket = key & (self.num_buckets - 1)
             if not fields or self.bucket_used[bucket] >= self.ways:
                 return
             self.bucket_used[bucket] += 1
-            entry = self.index[key] = [NULL_BLOCK] * self.num_groups
         for g, block in fields.items():
-            if entry[g] == NULL_BLOCK:
-                entry[g] = block
+            if key not in index[g]:
+                index[g][key] = block
+                held += 1
                 self.group_of[block] = g
                 self.key_of[block] = key
                 if replace:
                     self._cached_this_pass.add(block)
+        entries[key] = held
 
     def release_copies(self, dsts) -> None:
         """The copies into `dsts` were applied: source, then destination, drop their pins."""
@@ -407,30 +459,29 @@ class HostState:
             if max_hit <= 0:
                 return 0, 0
             num_tokens, bound = max_hit + 1, min(bound, max_hit)
-        index = self.index
+        full = [g for g in range(self.num_groups) if self.kind[g] == _FULL]
+        if not self.partial:
+            # vLLM's fixed point, each group probing only the blocks its rule looks at.
+            hit = max(num_tokens - 1, 0) if keys else 0
+            while True:
+                new_hit = hit
+                for g in range(self.num_groups):
+                    bs = self.block_size[g]
+                    new_hit = self._hit_blocks(g, keys, min(new_hit, bound) // bs) * bs
+                if new_hit == hit:
+                    break
+                hit = new_hit
+            own = [self._hit_blocks(g, keys, bound // self.block_size[g]) * self.block_size[g] for g in full]
+            return hit, max(own, default=hit)
         cached = []
         for g in range(self.num_groups):
-            bs = self.block_size[g]
-            step = bs // u
-            cached.append(
-                [
-                    (e := index.get(keys[(j + 1) * step - 1])) is not None and e[g] != NULL_BLOCK
-                    for j in range(bound // bs)
-                ]
-            )
+            step, index = self.block_size[g] // u, self.fields[g]
+            cached.append([key in index for key in keys[step - 1 : bound // u : step]])
         rules = self.rules
-        full = [g for g, rule in enumerate(rules) if rule.kind == "full"]
-        if not self.partial:
-            hit = hybrid_hit_len_reference(rules, cached, num_tokens if keys else 0)
-            own = [
-                hit_blocks_reference(rules[g], cached[g], bound // rules[g].block_size) * rules[g].block_size
-                for g in full
-            ]
-            return hit, max(own, default=hit)
 
         def valid(g: int, h: int) -> bool:
             bs = self.block_size[g]
-            keyed = self._probe(keys[h // u - 1], g) != NULL_BLOCK
+            keyed = keys[h // u - 1] in self.fields[g]
             if g in self.partial and self.kind[g] == _MAMBA:
                 return keyed
             if g in self.partial:
@@ -441,6 +492,34 @@ class HostState:
         hit = next((h for h in grid if all(valid(g, h) for g in range(self.num_groups))), 0)
         own = [next((h for h in grid if valid(g, h)), 0) for g in full]
         return hit, max(own, default=hit)
+
+    def _hit_blocks(self, g: int, keys: list[int], max_blocks: int) -> int:
+        """The longest valid hit of group g in blocks, at most `max_blocks` (`rules.hit_blocks_reference`,
+        probing only what the rule needs)."""
+        index, step = self.fields[g], self.block_size[g] // self.unit
+        kind = self.kind[g]
+        if kind == _FULL or kind == _CHUNKED:
+            j = 0
+            if kind == _CHUNKED:
+                chunk_blocks = self.window[g] // self.block_size[g]
+                j = max_blocks // chunk_blocks * chunk_blocks
+            while j < max_blocks and keys[(j + 1) * step - 1] in index:
+                j += 1
+            return j
+        if kind == _SLIDING:
+            num_needed = -(-(self.window[g] - 1) // self.block_size[g])
+            if num_needed == 0:
+                return max_blocks
+            run = 0
+            for j in range(max_blocks - 1, -1, -1):
+                run = run + 1 if keys[(j + 1) * step - 1] in index else 0
+                if run >= num_needed:
+                    return j + run
+            return run
+        for j in range(max_blocks - 1, -1, -1):  # a state group: the latest saved state
+            if keys[(j + 1) * step - 1] in index:
+                return j + 1
+        return 0
 
     def _allocate_cached(
         self, slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, lookahead
