@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import state as st
-from jaxkv.core.host import HostState, keys_to_ints
+from jaxkv.core.host import HostState, digests_to_ints
 from jaxkv.core.host_convert import load_state, to_state
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepBatch, StepWork, allocate_step, rollback_ranges, walk_units
@@ -355,7 +355,15 @@ class KVCacheManager:
         self._num_computed[slot] = 0
         self._num_written[slot] = 0
         self._shared_len[slot] = 0
-        if self.prefix_config is not None:
+        if self.prefix_config is not None and self._host is not None:  # the keys go to the host state now
+            if unit_hasher is None:
+                unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
+            unit_hasher.extend(token_ids[unit_hasher.num_tokens :])
+            self._host.hashes[slot] = digests_to_ints(unit_hasher.digests)
+            self._hashers[slot] = unit_hasher
+            self._num_keys[slot] = unit_hasher.num_units
+            self._num_hashed_tokens[slot] = len(token_ids)
+        elif self.prefix_config is not None:
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
                 self._keys[slot] = unit_hasher.extend(token_ids)
@@ -447,9 +455,16 @@ class KVCacheManager:
                 self._hash_new_units(slot)
 
     def _hash_new_units(self, slot: int) -> None:
-        """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload."""
-        new_keys = self._hashers[slot].extend(self._token_ids[slot][self._num_hashed_tokens[slot] :])
+        """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload (or
+        given to the host state)."""
+        hasher = self._hashers[slot]
+        first = hasher.num_units
+        new_keys = hasher.extend(self._token_ids[slot][self._num_hashed_tokens[slot] :])
         self._num_hashed_tokens[slot] = self._num_tokens[slot]
+        if self._host is not None:
+            self._host.hashes[slot] += digests_to_ints(hasher.digests[first:])
+            self._num_keys[slot] = hasher.num_units
+            return
         first = len(self._keys[slot])
         self._keys[slot] = np.concatenate([self._keys[slot], new_keys])
         self._num_keys[slot] = len(self._keys[slot])
@@ -651,8 +666,7 @@ class KVCacheManager:
         return ok
 
     def _allocate_host(self, slots, num_new, hits, full, lookahead) -> np.ndarray:
-        """`allocate_slots_batch` on the host state: the rows with block work go through its transition,
-        the others only advance their counts."""
+        """`allocate_slots_batch` on the host state, in place."""
         host, caching = self._host, self.prefix_config is not None
         num_computed, num_tokens = self._num_computed[slots], self._num_tokens[slots]
         self._num_written[slots] = num_computed  # this call says the rows' earlier steps ran
@@ -663,32 +677,17 @@ class KVCacheManager:
         if self._release:
             host.release_copies(self._release)
             self._release.clear()
-        _, work_rows = self._plan_step(slots, num_computed, num_new, hits, full, None, lookahead)
-        sel = slots[work_rows]
-        first_call = num_computed[work_rows] == 0
-        ok_rows, num_hit, copies = host.allocate(
-            sel.tolist(),
-            num_new[work_rows].tolist(),
-            full[work_rows].tolist() if full.any() else None,
-            hits[work_rows].tolist() if caching else None,
-            self._num_prompt[sel].tolist() if self._tails else None,
-            np.where(first_call, self._shared_len[sel], 0).tolist() if caching else None,
-            lookahead[work_rows].tolist() if lookahead.any() else None,
+        ok, num_hit, copies = host.allocate(
+            slots,
+            num_new,
+            full if full.any() else None,
+            hits if caching else None,
+            self._num_prompt[slots] if self._tails else None,
+            np.where(num_computed == 0, self._shared_len[slots], 0) if caching else None,
+            lookahead if lookahead.any() else None,
         )
-        failed = ok_rows.index(False) if False in ok_rows else None
-        num_ok = len(slots) if failed is None else int(work_rows[failed])
-        ok = np.arange(len(slots)) < num_ok
-        if len(sel) < num_ok:  # rows without block work before the first failed one advance
-            others = np.ones(len(slots), bool)
-            others[work_rows] = False
-            for slot, k in zip(slots[others & ok].tolist(), (num_new + lookahead)[others & ok].tolist()):
-                host.num_computed[slot] += k
         if copies:
             self._copies.append(np.array([copies[key] for key in sorted(copies)], np.int32))
-        if len(sel):
-            self._first_live[sel] = [host.first_live[s] for s in sel.tolist()]
-            if caching:
-                self._num_cached[sel] = [host.num_cached[s] for s in sel.tolist()]
         self.prefix_stats["claimed_hit_tokens"] += num_hit
         drafts = np.maximum(num_computed + hits + num_new - num_tokens, 0)
         self._num_computed[slots[ok]] += (num_new + hits)[ok]
@@ -970,9 +969,6 @@ class KVCacheManager:
 
     # ---- prefix-cache keys -----------------------------------------------------------------
     def _queue_upload(self, slot: int, first: int, num: int) -> None:
-        if self._host is not None:  # the host state takes the keys now
-            self._host.hashes[slot][first:] = keys_to_ints(self._keys[slot][first : first + num])
-            return
         if num:
             self._uploads.setdefault(slot, first)  # a slot's keys go from its earliest pending unit on
             self._num_uploads += num

@@ -20,11 +20,12 @@ Structures (N blocks, S slots, G groups, M table entries per request):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from itertools import takewhile
 
 import numpy as np
 
-from jaxkv.core.state import max_blocks_per_request
+from jaxkv.core.state import MAMBA, allocation_ranges, group_rules, keep_from_idx, max_blocks_per_request
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.index import num_buckets_for
@@ -41,6 +42,12 @@ def keys_to_ints(keys: np.ndarray) -> list[int]:
     lo = (keys[:, 0] | keys[:, 1] << np.uint64(32)).tolist()
     hi = (keys[:, 2] | keys[:, 3] << np.uint64(32)).tolist()
     return [low | high << 64 for low, high in zip(lo, hi)]
+
+
+def digests_to_ints(digests) -> list[int]:
+    """The 128-bit int keys of unit digests (`jaxkv.prefix.hashing.digests_to_keys` as ints)."""
+    from_bytes = int.from_bytes
+    return [from_bytes(digest[:16], "little") for digest in digests]
 
 
 def ints_to_keys(keys: list[int]) -> np.ndarray:
@@ -68,7 +75,7 @@ class HostState:
             else 0
             for g in groups
         ]
-        self.cap = [g.spec.blocks_per_request(cfg.max_model_len, cfg.max_num_batched_tokens) for g in groups]
+        self.group_rules = group_rules(cfg)
         n = cfg.num_blocks
         self.ref = [0] * n
         self._head: list[int] = []
@@ -76,8 +83,8 @@ class HostState:
         self.num_free = n - 1
         self.group_of = [-1] * n
         self.tables = np.zeros((num_groups, max_num_seqs, max_blocks_per_request(cfg)), np.int32)
-        self.first_live = [[0] * num_groups for _ in range(max_num_seqs)]
-        self.num_computed = [0] * max_num_seqs
+        self.first_live = np.zeros((max_num_seqs, num_groups), np.int64)
+        self.num_computed = np.zeros(max_num_seqs, np.int64)
         if prefix is not None:
             self.unit = prefix.unit
             self.ways = prefix.ways
@@ -87,9 +94,9 @@ class HostState:
             self.fields: list[dict[int, int]] = [{} for _ in groups]  # per group: key -> block
             self.entries: dict[int, int] = {}  # key -> groups holding it
             self.hashes: list[list[int]] = [[] for _ in range(max_num_seqs)]
-            self.num_cached = [[0] * num_groups for _ in range(max_num_seqs)]
-            self.shared_len = [0] * max_num_seqs
-            self.prompt_len = [0] * max_num_seqs
+            self.num_cached = np.zeros((max_num_seqs, num_groups), np.int64)
+            self.shared_len = np.zeros(max_num_seqs, np.int64)
+            self.prompt_len = np.zeros(max_num_seqs, np.int64)
             self.copies: dict[int, int] = {}  # pending copies: destination -> source (both pinned)
             self.partial = list(partial_groups(cfg, prefix))
             self.rules = [HitRule.for_spec(g.spec) for g in groups]
@@ -128,8 +135,10 @@ class HostState:
         self.num_free -= k
         for block in blocks:
             ref[block] = 1
-            if group_of[block] >= 0:
-                self._uncache(block)
+        if self.prefix is not None:
+            for block in blocks:
+                if group_of[block] >= 0:
+                    self._uncache(block)
         return blocks
 
     def _touch(self, block: int) -> None:
@@ -144,14 +153,14 @@ class HostState:
         blocks = row[lo:hi].tolist()
         row[lo:hi] = NULL_BLOCK
         if evict_from is not None and evict_from < hi:  # from evict_from on, cached blocks go to the head too
-            for j in range(hi - 1, lo - 1, -1):
-                if blocks[j - lo] != NULL_BLOCK:
-                    self._release(blocks[j - lo], j >= evict_from)
-            return
+            cut = max(evict_from, lo) - lo
+            self._release_blocks(reversed(blocks[cut:]), evict_first=True)
+            blocks = blocks[:cut]
         self._release_blocks(reversed(blocks))
 
-    def _release_blocks(self, blocks) -> None:
-        """Releases blocks in order (NULL_BLOCK entries skipped)."""
+    def _release_blocks(self, blocks, evict_first: bool = False) -> None:
+        """Releases blocks in order (NULL_BLOCK entries skipped); a cached one goes to the tail, unless
+        `evict_first`."""
         ref, group_of, head, tail = self.ref, self.group_of, self._head, self._tail
         freed = 0
         for block in blocks:
@@ -161,7 +170,7 @@ class HostState:
             ref[block] = count
             if count == 0:
                 freed += 1
-                if group_of[block] >= 0:
+                if group_of[block] >= 0 and not evict_first:
                     tail[block] = None
                 else:
                     head.append(block)
@@ -179,87 +188,181 @@ class HostState:
             return n // self.window[g] * self.window[g] // bs
         return max(0, n - 1) // bs
 
-    def _new_range(self, g: int, n: int, k: int) -> tuple[int, int]:
-        bs = self.block_size[g]
-        lo, hi = -(-n // bs), -(-(n + k) // bs)
-        if self.kind[g] == _MAMBA:
-            lo = max(lo, hi - 1)
-        return lo, max(lo, hi)
-
-    def _keep(self, g: int, s: int) -> int:
-        n = self.num_computed[s]
-        return max(self.first_live[s][g], min(self._keep_from(g, n), -(-n // self.block_size[g])))
-
-    def _full_need(self, full: int, n: int) -> int:
-        return sum(max(0, min(-(-full // bs), cap) - -(-n // bs)) for bs, cap in zip(self.block_size, self.cap))
-
     # ---- transitions ---------------------------------------------------------------------------
     def allocate(
         self,
-        slots: list[int],
-        num_new_tokens: list[int],
-        num_full_tokens: list[int] | None = None,
-        num_hit_tokens: list[int] | None = None,
-        num_prompt_tokens: list[int] | None = None,
-        num_shared_tokens: list[int] | None = None,
-        num_lookahead_tokens: list[int] | None = None,
-    ) -> tuple[list[bool], int, dict]:
-        """vLLM's sequential outcome (`jaxkv.core.step`): returns the ok flags, the hit tokens claimed
-        and the copies {(row, group): (source, destination, valid tokens)}."""
-        if num_lookahead_tokens is not None:
-            num_new_tokens = [k + d for k, d in zip(num_new_tokens, num_lookahead_tokens)]
-        if self.prefix is not None:
-            return self._allocate_cached(
-                slots,
-                num_new_tokens,
-                num_full_tokens,
-                num_hit_tokens,
-                num_prompt_tokens,
-                num_shared_tokens,
-                num_lookahead_tokens,
-            )
-        num_groups, num_free, taken, released, ok = self.num_groups, self.num_free, 0, [], []
-        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
-            n = self.num_computed[s]
-            if num_full_tokens is not None and num_full_tokens[i] > 0:
-                if taken + self._full_need(num_full_tokens[i], n) > num_free:
-                    break
-            released.append(s)
-            table = self.tables
-            for g in range(num_groups):
-                lo, hi = self.first_live[s][g], self._keep(g, s)
-                if hi > lo:
-                    num_free += int(np.count_nonzero(table[g, s, lo:hi]))
-            need = 0
-            for g in range(num_groups):
-                lo, hi = self._new_range(g, n, k)
-                need += hi - lo
-            if taken + need > num_free:
-                break
-            taken += need
-            ok.append(True)
-        ok += [False] * (len(slots) - len(ok))
-        for s in released:
-            live = self.first_live[s]
-            for g in range(num_groups):
-                keep = self._keep(g, s)
-                self._release_range(g, s, live[g], keep)
-                live[g] = keep
-        for s, k, fits in zip(slots, num_new_tokens, ok):
-            if fits:
-                self._take(s, self.num_computed[s], k, ())
-                self.num_computed[s] += k
-        return ok, 0, {}
+        slots,
+        num_new_tokens,
+        num_full_tokens=None,
+        num_hit_tokens=None,
+        num_prompt_tokens=None,
+        num_shared_tokens=None,
+        num_lookahead_tokens=None,
+    ) -> tuple[np.ndarray, int, dict]:
+        """vLLM's sequential outcome (`jaxkv.core.step`), for int[R] rows: returns the ok flags bool[R], the
+        hit tokens claimed and the copies {(row, group): (source, destination, valid tokens)}.
 
-    def _take(self, s: int, n: int, k: int, cow) -> None:
-        """New blocks for k tokens after n of slot s (a copy-on-write group's from its hit's block)."""
-        pop_many = self._pop_many
+        The row arithmetic is vectorised over [R, G]; Python loops run only over the rows and groups that
+        claim, release, take or index blocks."""
+        slots = np.asarray(slots, np.int64)
+        num_rows, rules = len(slots), self.group_rules
+        k = np.asarray(num_new_tokens, np.int64)
+        lookahead = np.zeros(num_rows, np.int64) if num_lookahead_tokens is None else np.asarray(num_lookahead_tokens)
+        k = k + lookahead
+        caching = self.prefix is not None
+        hits = np.zeros(num_rows, np.int64) if num_hit_tokens is None else np.asarray(num_hit_tokens, np.int64)
+        n = self.num_computed[slots]
+        first_call = n == 0
+        start_copies = {}
+        if caching:
+            if num_prompt_tokens is not None:
+                prompt = np.asarray(num_prompt_tokens, np.int64)
+                self.prompt_len[slots[prompt > 0]] = prompt[prompt > 0]
+            if _MAMBA in self.kind:
+                for s in slots.tolist():
+                    self._cache_state_blocks(s)
+            start_copies = self._register_tails(slots.tolist(), move=True)
+        num_free = self.num_free
+        hit_ok = np.zeros(num_rows, bool)
+        claims, tails, taken_free, claimed = {}, {}, np.zeros(num_rows, np.int64), Counter()
+        for i in np.flatnonzero(hits).tolist():
+            hit_ok[i], claims[i], tails[i], taken_free[i] = self._plan_claim(int(slots[i]), int(hits[i]), claimed)
+        n_eff = np.where(hit_ok, hits, n)
+        cow = {}  # row -> groups whose hit ends inside a block and take a fresh block there
+        for i, tail_src in tails.items():
+            h, bs_of = int(n_eff[i]), self.block_size
+            groups = [g for g in tail_src if self.kind[g] == _FULL or h + k[i] <= (h // bs_of[g] + 1) * bs_of[g]]
+            if hit_ok[i] and groups:
+                cow[i] = groups
+        live = self.first_live[slots]
+        keep, _, first_new, need = allocation_ranges(n_eff[:, None], k[:, None], live, rules, xp=np)
+        need_rows = need.sum(axis=1)
+        for i, groups in cow.items():
+            need_rows[i] += len(groups)
+        # Blocks a row's release frees (rows without a hit): entries held by it alone.
+        hit = hits > 0
+        freed = np.zeros(num_rows, np.int64)
+        releasing_ranges = np.argwhere((keep > live) & ~hit[:, None]).tolist()
+        ref, tables = self.ref, self.tables
+        for i, g in releasing_ranges:
+            for block in tables[g, slots[i], live[i, g] : keep[i, g]].tolist():
+                freed[i] += block != NULL_BLOCK and ref[block] + claimed.get(block, 0) == 1
+        # The gate: vLLM's sequential outcome, vectorised (each row sees the takes and frees of the rows before
+        # it; the first row that fails stops the batch, and releases only if its whole-request gate passed).
+        cost = need_rows + taken_free
+        take_before = np.cumsum(cost) - cost
+        free_before = num_free + np.cumsum(freed) - freed
+        gate = np.ones(num_rows, bool)
+        if num_full_tokens is not None and np.any(num_full_tokens):
+            full = np.asarray(num_full_tokens, np.int64)[:, None]
+            bs = rules.block_size
+            full_need = np.maximum(0, np.minimum(-(-full // bs), rules.max_blocks) - -(-n_eff[:, None] // bs))
+            gate = (full[:, 0] == 0) | (take_before + full_need.sum(axis=1) + taken_free <= free_before)
+        fits = (take_before + cost <= free_before + freed) & (hit_ok | ~hit)
+        failed = np.flatnonzero(~(fits & gate))
+        num_ok = int(failed[0]) if len(failed) else num_rows
+        gated = num_ok + 1 if num_ok < num_rows and gate[num_ok] else num_ok
+        ok = np.arange(num_rows) < num_ok
+        # Claims of the rows that succeed, in row order; then releases, new blocks, caching.
+        num_hit = int(n_eff[ok & hit_ok].sum())
+        for i in np.flatnonzero(ok & hit_ok).tolist():
+            self._apply_claim(int(slots[i]), int(n_eff[i]), claims[i], tails[i], cow.get(i, ()))
+        releasing = (np.arange(num_rows) < gated) & ~hit
+        shared_len = self.shared_len[slots] if caching else np.zeros(num_rows, np.int64)
+        for i, g in releasing_ranges:
+            if releasing[i]:
+                bs = self.block_size[g]
+                windowed = self.kind[g] in (_SLIDING, _CHUNKED)
+                evict_from = int(shared_len[i]) // bs if windowed and shared_len[i] > 0 else None
+                self._release_range(g, int(slots[i]), int(live[i, g]), int(keep[i, g]), evict_from)
+        self.first_live[slots[releasing]] = keep[releasing]
+        copies = {(slots.tolist().index(s), g): c for (s, g), c in start_copies.items()}
+        first_new = np.where(ok[:, None], first_new, 0)
+        for i, groups in cow.items():
+            if ok[i]:
+                for g in groups:
+                    j = int(n_eff[i]) // self.block_size[g]
+                    need[i, g] += first_new[i, g] - j
+                    first_new[i, g] = j
+        take = np.argwhere((need > 0) & ok[:, None])
+        if len(take):
+            counts = need[take[:, 0], take[:, 1]]
+            blocks = self._pop_many(int(counts.sum()))
+            rows = np.repeat(take, counts, axis=0)
+            offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+            tables[rows[:, 1], slots[rows[:, 0]], first_new[rows[:, 0], rows[:, 1]] + offsets] = blocks
+        for i, groups in cow.items():
+            if ok[i]:
+                for g in groups:
+                    j = int(n_eff[i]) // self.block_size[g]
+                    dst = int(tables[g, slots[i], j])
+                    ref[dst] += 1
+                    self.copies[dst] = tails[i][g]
+                    copies[(i, g)] = (tails[i][g], dst, int(n_eff[i]) - j * self.block_size[g])
+        self.num_computed[slots[ok]] = (n_eff + k)[ok]
+        if caching:
+            if self.partial:
+                self._uncache_filled_tails(slots, ok, hit_ok, n_eff, lookahead)
+            self._index_filled_rows(slots[ok], np.where(hit_ok, n_eff, -1)[ok], lookahead[ok])
+            if num_shared_tokens is not None:
+                first = ok & first_call
+                self.shared_len[slots[first]] = np.maximum(np.asarray(num_shared_tokens)[first], 0)
+        return ok, num_hit, copies
+
+    def _plan_claim(self, s: int, h: int, claimed: Counter):
+        """A row's tentative claim of an h-token hit: (valid, [(group, first index, blocks)], {group: source of
+        a hit inside a block}, free blocks it takes); `claimed` counts this call's claims per block."""
+        u, hashes, bs_of, runs, tail_src = self.unit, self.hashes[s], self.block_size, [], {}
+        ok_h = (
+            self.num_computed[s] == 0
+            and h % u == 0
+            and h <= len(hashes) * u
+            and all(h % bs_of[g] == 0 or g in self.partial for g in range(self.num_groups))
+        )
+        if not ok_h:
+            return False, runs, tail_src, 0
+        valid, found = True, []
         for g in range(self.num_groups):
-            lo, hi = self._new_range(g, n, k)
-            if g in cow:
-                lo = n // self.block_size[g]
-            if hi > lo:
-                self.tables[g, s, lo:hi] = pop_many(hi - lo)
+            step, first, last = bs_of[g] // u, self._keep_from(g, h), h // bs_of[g]
+            if last > first:
+                blocks = list(map(self.fields[g].get, hashes[(first + 1) * step - 1 : last * step : step]))
+                if None in blocks:
+                    valid = False
+                    blocks = [NULL_BLOCK if b is None else b for b in blocks]
+                runs.append((g, first, blocks))
+                found += blocks
+        for g in self.partial:
+            if h % bs_of[g]:
+                block = self.fields[g].get(hashes[h // u - 1], NULL_BLOCK)
+                valid = valid and block != NULL_BLOCK
+                if block != NULL_BLOCK:
+                    tail_src[g] = block
+                    found.append(block)
+        # A claim that misses a block is refused, but its blocks still count as claimed in this call.
+        found = list(filter(None, found))
+        ref = self.ref
+        taken = sum(1 for block in found if ref[block] == 0 and block not in claimed)
+        claimed.update(found)
+        return valid, runs, tail_src, taken
+
+    def _apply_claim(self, s: int, h: int, runs, tail_src, cow) -> None:
+        ref, tail = self.ref, self._tail
+        for g, first, blocks in runs:
+            for block in blocks:
+                if ref[block] == 0:
+                    if block in tail:
+                        del tail[block]
+                    else:
+                        self._head.remove(block)
+                    self.num_free -= 1
+                ref[block] += 1
+            self.tables[g, s, first : first + len(blocks)] = blocks
+        for g, block in tail_src.items():
+            self._touch(block)  # a copy's source pin, or the table entry holding it
+            if g not in cow:
+                self.tables[g, s, h // self.block_size[g]] = block
+        self.first_live[s] = keep_from_idx(np.int64(h), self.group_rules, xp=np)
+        self.num_computed[s] = h
 
     def free(self, slots: list[int], num_written: list[int] | None = None) -> None:
         """Releases the slots' blocks, each group tail first. `num_written`: per slot, the tokens a forward
@@ -282,18 +385,16 @@ class HostState:
                         if block != NULL_BLOCK and self.group_of[block] >= 0:
                             self._uncache(block)
         for s in slots:
-            for g in range(self.num_groups):
-                row = self.tables[g, s]
-                held = np.flatnonzero(row)
-                self._release_blocks(reversed(row[held].tolist()))
-                row[held] = NULL_BLOCK
-                self.first_live[s][g] = 0
+            n = int(self.num_computed[s])
+            for g in range(self.num_groups):  # entries past the count are never held
+                self._release_range(g, s, int(self.first_live[s, g]), -(-n // self.block_size[g]))
+            self.first_live[s] = 0
             self.num_computed[s] = 0
             if self.prefix is not None:
                 self.hashes[s] = []
                 self.shared_len[s] = 0
                 self.prompt_len[s] = 0
-                self.num_cached[s] = [0] * self.num_groups
+                self.num_cached[s] = 0
 
     def roll_back(self, slots: list[int], num_rejected: list[int]) -> None:
         """Speculative decoding: drops each slot's last `num_rejected` tokens and releases the entries past
@@ -349,7 +450,21 @@ class HostState:
         With `replace` (an allocation's caching pass), a block indexed under (key, group) before this pass
         first leaves the index (a free one moves to the head)."""
         entries, index = self.entries, self.fields
-        if replace and key in entries:
+        if key not in entries:  # a new entry: every block is placed if the bucket has room
+            bucket = key & (self.num_buckets - 1)
+            if not fields or self.bucket_used[bucket] >= self.ways:
+                return
+            self.bucket_used[bucket] += 1
+            entries[key] = len(fields)
+            group_of, key_of = self.group_of, self.key_of
+            for g, block in fields.items():
+                index[g][key] = block
+                group_of[block] = g
+                key_of[block] = key
+            if replace:
+                self._cached_this_pass.update(fields.values())
+            return
+        if replace:
             for g, block in fields.items():
                 old = index[g].get(key, NULL_BLOCK)
                 if old == NULL_BLOCK or old == block or old in self._cached_this_pass:
@@ -462,12 +577,15 @@ class HostState:
         full = [g for g in range(self.num_groups) if self.kind[g] == _FULL]
         if not self.partial:
             # vLLM's fixed point, each group probing only the blocks its rule looks at.
-            hit = max(num_tokens - 1, 0) if keys else 0
+            hit, memo = max(num_tokens - 1, 0) if keys else 0, {}
             while True:
                 new_hit = hit
                 for g in range(self.num_groups):
                     bs = self.block_size[g]
-                    new_hit = self._hit_blocks(g, keys, min(new_hit, bound) // bs) * bs
+                    max_blocks = min(new_hit, bound) // bs
+                    if (g, max_blocks) not in memo:
+                        memo[g, max_blocks] = self._hit_blocks(g, keys, max_blocks)
+                    new_hit = memo[g, max_blocks] * bs
                 if new_hit == hit:
                     break
                 hit = new_hit
@@ -495,171 +613,31 @@ class HostState:
 
     def _hit_blocks(self, g: int, keys: list[int], max_blocks: int) -> int:
         """The longest valid hit of group g in blocks, at most `max_blocks` (`rules.hit_blocks_reference`,
-        probing only what the rule needs)."""
-        index, step = self.fields[g], self.block_size[g] // self.unit
-        kind = self.kind[g]
+        probing only what the rule needs, in C-level iterations)."""
+        contains, step, kind = self.fields[g].__contains__, self.block_size[g] // self.unit, self.kind[g]
         if kind == _FULL or kind == _CHUNKED:
-            j = 0
+            first = 0
             if kind == _CHUNKED:
                 chunk_blocks = self.window[g] // self.block_size[g]
-                j = max_blocks // chunk_blocks * chunk_blocks
-            while j < max_blocks and keys[(j + 1) * step - 1] in index:
-                j += 1
-            return j
+                first = max_blocks // chunk_blocks * chunk_blocks
+            return first + len(list(takewhile(contains, keys[(first + 1) * step - 1 : max_blocks * step : step])))
         if kind == _SLIDING:
             num_needed = -(-(self.window[g] - 1) // self.block_size[g])
             if num_needed == 0:
                 return max_blocks
+            first = max_blocks - num_needed
+            if first >= 0 and all(map(contains, keys[(first + 1) * step - 1 : max_blocks * step : step])):
+                return max_blocks  # the common case: the window before the bound is cached
             run = 0
             for j in range(max_blocks - 1, -1, -1):
-                run = run + 1 if keys[(j + 1) * step - 1] in index else 0
+                run = run + 1 if contains(keys[(j + 1) * step - 1]) else 0
                 if run >= num_needed:
                     return j + run
             return run
         for j in range(max_blocks - 1, -1, -1):  # a state group: the latest saved state
-            if keys[(j + 1) * step - 1] in index:
+            if contains(keys[(j + 1) * step - 1]):
                 return j + 1
         return 0
-
-    def _allocate_cached(
-        self, slots, num_new_tokens, num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, lookahead
-    ) -> tuple[list[bool], int, dict]:
-        num_groups, u, bs_of, tables = self.num_groups, self.unit, self.block_size, self.tables
-        num_rows = len(slots)
-        num_hit_tokens = num_hit_tokens or [0] * num_rows
-        lookahead = lookahead or [0] * num_rows
-        first_call = [self.num_computed[s] == 0 for s in slots]
-        if num_prompt_tokens is not None:
-            for s, prompt_len in zip(slots, num_prompt_tokens):
-                if prompt_len > 0:
-                    self.prompt_len[s] = prompt_len
-        if self.kind.count(_MAMBA):
-            for s in slots:
-                self._cache_state_blocks(s)
-        start_copies = self._register_tails(slots, move=True)
-        num_free = self.num_free
-        # Tentative claims, row by row (full blocks, then the source of a hit inside a block).
-        claims, tails, hit_ok, taken_free = [], [], [], []
-        claimed: dict[int, int] = {}  # block -> tentative claims in this call
-        for s, h in zip(slots, num_hit_tokens):
-            entries, tail_src, ok_h, taken = [], {}, False, 0
-            if h > 0:
-                hashes = self.hashes[s]
-                ok_h = (
-                    self.num_computed[s] == 0
-                    and h % u == 0
-                    and h <= len(hashes) * u
-                    and all(h % bs_of[g] == 0 or g in self.partial for g in range(num_groups))
-                )
-                if ok_h:
-                    wanted = 0
-                    for g in range(num_groups):
-                        bs = bs_of[g]
-                        step = bs // u
-                        for j in range(self._keep_from(g, h), h // bs):
-                            wanted += 1
-                            block = self._probe(hashes[(j + 1) * step - 1], g)
-                            if block != NULL_BLOCK:
-                                entries.append((g, j, block))
-                    for g in self.partial:
-                        if h % bs_of[g]:
-                            wanted += 1
-                            block = self._probe(hashes[h // u - 1], g)
-                            if block != NULL_BLOCK:
-                                tail_src[g] = block
-                    ok_h = len(entries) + len(tail_src) == wanted
-                    ref = self.ref
-                    for block in [b for _, _, b in entries] + list(tail_src.values()):
-                        taken += ref[block] == 0 and block not in claimed
-                        claimed[block] = claimed.get(block, 0) + 1
-            claims.append(entries)
-            tails.append(tail_src)
-            hit_ok.append(ok_h)
-            taken_free.append(taken)
-        # The rows in order.
-        n_eff = [h if ok_h else self.num_computed[s] for s, h, ok_h in zip(slots, num_hit_tokens, hit_ok)]
-        cow = [
-            {
-                g
-                for g in tails[i]
-                if hit_ok[i] and (self.kind[g] == _FULL or n_eff[i] + k <= (n_eff[i] // bs_of[g] + 1) * bs_of[g])
-            }
-            for i, k in enumerate(num_new_tokens)
-        ]
-        take_before, freed_before, ok, releasing = 0, 0, [], []
-        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
-            hit = num_hit_tokens[i] > 0
-            need = len(cow[i])
-            for g in range(num_groups):
-                lo, hi = self._new_range(g, n_eff[i], k)
-                need += hi - lo
-            freed = 0
-            if not hit:
-                ref = self.ref
-                for g in range(num_groups):
-                    lo, hi = self.first_live[s][g], self._keep(g, s)
-                    if hi > lo:
-                        for block in tables[g, s, lo:hi].tolist():
-                            freed += block != NULL_BLOCK and ref[block] + claimed.get(block, 0) == 1
-            free_before = num_free + freed_before
-            gate = True
-            if num_full_tokens is not None and num_full_tokens[i] > 0:
-                gate = take_before + self._full_need(num_full_tokens[i], n_eff[i]) + taken_free[i] <= free_before
-            fits = take_before + need + taken_free[i] <= free_before + freed and (hit_ok[i] or not hit)
-            if gate and not hit:
-                releasing.append(s)
-            if not (fits and gate):
-                break
-            take_before += need + taken_free[i]
-            freed_before += freed
-            ok.append(True)
-        ok += [False] * (num_rows - len(ok))
-        # Claims of the rows that succeed, in row order; then releases, new blocks, caching.
-        num_hit = 0
-        for i, s in enumerate(slots):
-            if ok[i] and hit_ok[i]:
-                num_hit += n_eff[i]
-                for g, j, block in claims[i]:
-                    self._touch(block)
-                    tables[g, s, j] = block
-                for g, block in tails[i].items():
-                    self._touch(block)  # a copy's source pin, or the table entry holding it
-                    if g not in cow[i]:
-                        tables[g, s, n_eff[i] // bs_of[g]] = block
-                self.first_live[s] = [self._keep_from(g, n_eff[i]) for g in range(num_groups)]
-                self.num_computed[s] = n_eff[i]
-        for s in releasing:  # window retention: window blocks past the shared point go first
-            live, shared = self.first_live[s], self.shared_len[s]
-            for g in range(num_groups):
-                keep = self._keep(g, s)
-                windowed = self.kind[g] in (_SLIDING, _CHUNKED)
-                evict_from = shared // bs_of[g] if windowed and shared > 0 else None
-                self._release_range(g, s, live[g], keep, evict_from)
-                live[g] = keep
-        copies = {(slots.index(s), g): c for (s, g), c in start_copies.items()}
-        for i, (s, k) in enumerate(zip(slots, num_new_tokens)):
-            if not ok[i]:
-                continue
-            n = self.num_computed[s]
-            self._take(s, n, k, cow[i])
-            for g in cow[i]:
-                j = n // bs_of[g]
-                dst = int(tables[g, s, j])
-                self.ref[dst] += 1
-                self.copies[dst] = tails[i][g]
-                copies[(i, g)] = (tails[i][g], dst, n - j * bs_of[g])
-            self.num_computed[s] = n + k
-        if self.partial:
-            self._uncache_filled_tails(slots, ok, hit_ok, n_eff, lookahead)
-        self._cached_this_pass = set()
-        for i, s in enumerate(slots):
-            if ok[i]:
-                self._index_filled(s, n_eff[i] if hit_ok[i] else None, lookahead[i])
-        if num_shared_tokens is not None:
-            for i, s in enumerate(slots):
-                if ok[i] and first_call[i]:
-                    self.shared_len[s] = max(num_shared_tokens[i], 0)
-        return ok, num_hit, copies
 
     def _uncache_filled_tails(self, slots, ok, hit_ok, n_eff, lookahead) -> None:
         """A partially indexed tail block that the scheduled tokens fill leaves the index."""
@@ -683,29 +661,48 @@ class HostState:
                 ):
                     self._uncache(block)
 
-    def _index_filled(self, s: int, hit_start: int | None, lookahead: int) -> None:
-        """Indexes the slot's blocks whose tokens are all scheduled: one entry per block-end unit, in unit
-        order, holding the groups' blocks that end there (`hit_start`: the claimed hit's length)."""
-        u, hashes = self.unit, self.hashes[s]
-        hashed_len = min(len(hashes) * u, self.num_computed[s] - lookahead)
-        by_unit: dict[int, dict[int, int]] = {}
-        num_cached = self.num_cached[s]
-        for g in range(self.num_groups):
-            if self.kind[g] == _MAMBA:
+    def _index_filled_rows(self, slots, hit_start, lookahead) -> None:
+        """Indexes the rows' blocks whose tokens are all scheduled, row by row: one entry per block-end unit,
+        in unit order, holding the groups' blocks that end there (`hit_start`: a claimed hit's length, or
+        -1). The rows' cached counts follow."""
+        self._cached_this_pass = set()
+        if not len(slots):
+            return
+        u, bs = self.unit, self.group_rules.block_size
+        num_hashed = np.fromiter((len(self.hashes[s]) for s in slots.tolist()), np.int64, len(slots))
+        n = self.num_computed[slots]
+        end = (np.minimum(np.minimum(num_hashed * u, n - lookahead), n)[:, None] // bs).astype(np.int64)
+        start = np.where(hit_start[:, None] >= 0, hit_start[:, None] // bs, self.num_cached[slots])
+        attention = self.group_rules.kind != MAMBA
+        end = np.where(attention, end, 0)
+        block_size, tables, cache = self.block_size, self.tables, self._cache
+        for i in np.flatnonzero(((end > start) & attention).any(axis=1)).tolist():
+            s, hashes = int(slots[i]), self.hashes[int(slots[i])]
+            # Groups with the same unit ranges are walked together, one entry per unit.
+            ranges: dict[tuple[int, int, int], list[int]] = {}
+            for g in np.flatnonzero((end[i] > start[i]) & attention).tolist():
+                step = block_size[g] // u
+                ranges.setdefault(((int(start[i, g]) + 1) * step - 1, int(end[i, g]) * step, step), []).append(g)
+            if len(ranges) == 1:
+                (((first, stop, step), groups),) = ranges.items()
+                lo = (first + 1) // step - 1
+                columns = [tables[g, s, lo : lo + len(range(first, stop, step))].tolist() for g in groups]
+                for unit, blocks in zip(range(first, stop, step), zip(*columns)):
+                    fields = {g: b for g, b in zip(groups, blocks) if b != NULL_BLOCK}
+                    if fields:
+                        cache(hashes[unit], fields, replace=True)
                 continue
-            bs = self.block_size[g]
-            start = hit_start // bs if hit_start is not None else num_cached[g]
-            end = min(self.num_computed[s], hashed_len) // bs
-            if end > start:
-                step = bs // u
-                for j, block in enumerate(self.tables[g, s, start:end].tolist(), start):
-                    if block != NULL_BLOCK:
-                        unit = (j + 1) * step - 1
-                        fields = by_unit.get(unit)
-                        if fields is None:
-                            by_unit[unit] = {g: block}
-                        else:
-                            fields[g] = block
-            num_cached[g] = max(start, end)
-        for unit in sorted(by_unit):
-            self._cache(hashes[unit], by_unit[unit], replace=True)
+            by_unit: dict[int, dict[int, int]] = {}
+            for (first, stop, step), groups in ranges.items():
+                lo = (first + 1) // step - 1
+                for g in groups:
+                    for unit, block in zip(range(first, stop, step), tables[g, s, lo : stop // step].tolist()):
+                        if block != NULL_BLOCK:
+                            fields = by_unit.get(unit)
+                            if fields is None:
+                                by_unit[unit] = {g: block}
+                            else:
+                                fields[g] = block
+            for unit in sorted(by_unit):  # fields in group order, as a replacement frees old blocks in it
+                cache(hashes[unit], dict(sorted(by_unit[unit].items())), replace=True)
+        self.num_cached[slots] = np.where(attention, np.maximum(start, end), self.num_cached[slots])

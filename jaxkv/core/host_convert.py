@@ -12,15 +12,15 @@ faster structures:
     num_free      int                                   pool.num_free_blocks
     group_of      list[int] N (−1: not cached)          pool.block_group
     tables        int32[G, S, M]                        block_tables
-    first_live    S lists of G ints                     first_live_idx [G, S]
-    num_computed  list[int] S                           num_computed
+    first_live    int64[S, G]                           first_live_idx [G, S]
+    num_computed  int64[S]                              num_computed
   with a prefix cache (`prefix` not None):
     key_of        list[int] N, 128-bit keys             pool.block_hash rows (where cached)
     index         dict key -> G block ids (0: none)     prefix.index entries
     num_buckets, ways                                   prefix.index.slots shape [B, W, ...]
     hashes        S lists of keys                       prefix.req_hashes[s, :num_hashed_units[s]]
-    num_cached    S lists of G ints                     prefix.num_cached_blocks [G, S]
-    shared_len, prompt_len  list[int] S                 prefix.shared_len, prefix.prompt_len
+    num_cached    int64[S, G]                           prefix.num_cached_blocks [G, S]
+    shared_len, prompt_len  int64[S]                    prefix.shared_len, prefix.prompt_len
     copies        dict destination -> source            prefix.copy_src
 
 A key is the int `w0 | w1 << 32 | w2 << 64 | w3 << 96` of its four uint32 words; its bucket is `key & (B − 1)`.
@@ -177,8 +177,8 @@ def load_state(host, state: ManagerState) -> None:
     host.num_free = len(order)
     host.group_of = block_group.tolist()
     host.tables = np.array(state.block_tables, np.int32)
-    host.first_live = np.asarray(state.first_live_idx).T.tolist()
-    host.num_computed = np.asarray(state.num_computed).tolist()
+    host.first_live = np.asarray(state.first_live_idx, np.int64).T.copy()
+    host.num_computed = np.asarray(state.num_computed, np.int64).copy()
     if state.prefix is None:
         return
     prefix = state.prefix
@@ -195,8 +195,8 @@ def load_state(host, state: ManagerState) -> None:
     req_hashes = np.asarray(prefix.req_hashes)
     num_hashed = np.asarray(prefix.num_hashed_units).tolist()
     host.hashes = [keys_to_ints(req_hashes[slot, :n]) for slot, n in enumerate(num_hashed)]
-    host.num_cached = np.asarray(prefix.num_cached_blocks).T.tolist()
-    host.shared_len = np.asarray(prefix.shared_len).tolist()
-    host.prompt_len = np.asarray(prefix.prompt_len).tolist()
+    host.num_cached = np.asarray(prefix.num_cached_blocks, np.int64).T.copy()
+    host.shared_len = np.asarray(prefix.shared_len, np.int64).copy()
+    host.prompt_len = np.asarray(prefix.prompt_len, np.int64).copy()
     copy_src = np.asarray(prefix.copy_src)
     host.copies = {dst: int(copy_src[dst]) for dst in np.flatnonzero(copy_src).tolist()}

@@ -16,8 +16,8 @@ request's keys, the unit's own keys, then the salt — vLLM's order.
 Two modes:
 - `"jaxkv"` (default): SHA-256 over an unambiguous byte message,
   `parent (32 B) | b"jaxkv.unit.v1\0" | u32 unit | uint32[unit] token ids | encode_extra_keys(keys)`
-  (little-endian), built for all units at once from numpy buffers: one hashlib
-  call per unit, about 2.6× faster than "vllm" at unit 16 (BENCHMARKS.md).
+  (little-endian), cut from one byte buffer of the new tokens: one hashlib call
+  per unit, about 2.6× faster than "vllm" at unit 16 (BENCHMARKS.md).
 - `"vllm"`: vLLM's exact digests, SHA-256 over
   `pickle.dumps((parent or NONE_HASH, tuple(tokens), extra_keys or None), protocol=5)`
   with `NONE_HASH = SHA-256(pickle.dumps("vllm-none-hash", protocol=5))` (vLLM's
@@ -223,29 +223,20 @@ class UnitHasher:
         return digests_to_keys(new)
 
     def _hash_jaxkv(self, tokens: np.ndarray, first: int) -> list[bytes]:
-        # Every unit's message after its parent is one row of `rows`:
-        # tag | u32 unit | uint32[unit] tokens | the request's keys. Units with
-        # other keys (the salted first unit, units with their own keys) get their own message.
+        # Unit i's message after its parent: tag | u32 unit | uint32[unit] tokens | the request's keys;
+        # the salted first unit and units with their own keys end with their own keys.
         num_units = len(tokens) // self.unit
+        data, width = tokens.astype("<u4", copy=False).tobytes(), 4 * self.unit
         head, common = self._message_head, self._common_keys
-        tokens_end = len(head) + 4 * self.unit
-        rows = np.empty((num_units, tokens_end + len(common)), np.uint8)
-        rows[:, : len(head)] = np.frombuffer(head, np.uint8)
-        rows[:, len(head) : tokens_end] = tokens.astype("<u4", copy=False).view(np.uint8).reshape(num_units, -1)
-        rows[:, tokens_end:] = np.frombuffer(common, np.uint8)
-        width, view = rows.shape[1], memoryview(rows.tobytes())
-        messages = [view[start : start + width] for start in range(0, num_units * width, width)]
-        special_units = [i for i in self._unit_keys if first <= i < first + num_units]
+        special = {i for i in self._unit_keys if first <= i < first + num_units}
         if self._salt_keys and first == 0:
-            special_units.append(0)
-        for unit_idx in special_units:
-            row = unit_idx - first
-            messages[row] = bytes(messages[row][:tokens_end]) + encode_extra_keys(self.unit_keys(unit_idx))
+            special.add(0)
         sha256 = hashlib.sha256
         parent = self.digests[-1] if self.digests else ROOT_HASH
         out = []
-        for message in messages:
-            parent = sha256(parent + message).digest()
+        for row in range(num_units):
+            keys = encode_extra_keys(self.unit_keys(first + row)) if first + row in special else common
+            parent = sha256(parent + head + data[row * width : (row + 1) * width] + keys).digest()
             out.append(parent)
         return out
 

@@ -29,8 +29,8 @@ PREFIXES = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), (1, 2, 3, 4, 5, 6, 40, 41, 
 
 def assert_host_matches(host: HostState, model: ModelState) -> None:
     np.testing.assert_array_equal(host.tables, np.asarray(model.tables), err_msg="block tables")
-    assert host.num_computed == model.num_computed, "num_computed"
-    assert [list(x) for x in zip(*host.first_live)] == model.first_live, "first_live"
+    assert host.num_computed.tolist() == model.num_computed, "num_computed"
+    assert host.first_live.T.tolist() == model.first_live, "first_live"
     assert host.ref == model.ref_cnt, "ref_cnt"
     assert list(reversed(host._head)) + list(host._tail) == model.order, "free order"
     assert host.num_free == model.num_free_blocks
@@ -48,8 +48,8 @@ def assert_host_matches(host: HostState, model: ModelState) -> None:
         assert host.index[host.key_of[block]][g] == block, "key_of"
     used = np.bincount([key & (host.num_buckets - 1) for key in host.index], minlength=host.num_buckets)
     assert host.bucket_used == used.tolist(), "bucket counts"
-    assert [list(x) for x in zip(*host.num_cached)] == model.num_cached, "num_cached"
-    assert host.prompt_len == model.prompt_len and host.shared_len == model.shared_len
+    assert host.num_cached.T.tolist() == model.num_cached, "num_cached"
+    assert host.prompt_len.tolist() == model.prompt_len and host.shared_len.tolist() == model.shared_len
     assert host.copies == model.copies, "pending copies"
     assert [ints_to_keys(h).tolist() for h in host.hashes] == [[list(k) for k in h] for h in model.hashes]
 
@@ -127,7 +127,7 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False):
             expected = model.allocate(
                 slots, new_tokens, full_tokens, hits if caching else None, prompts, shared if caching else None
             )
-            assert ok == expected
+            assert ok.tolist() == expected
             assert num_hit == sum(h for h, fits in zip(hits, ok) if fits)
             if caching:
                 assert copies == model.last_copies
