@@ -178,8 +178,14 @@ def test_random_speculation_matches_model(data):
     verified tokens indexed."""
     use_eagle = data.draw(st.booleans(), label="use_eagle")
     specialize = data.draw(st.booleans(), label="specialize_steps")
+    backend = data.draw(st.sampled_from(["jax", "host"]), label="backend")
     mgr = KVCacheManager(
-        CFG, max_num_seqs=3, num_speculative_tokens=3, use_eagle=use_eagle, specialize_steps=specialize
+        CFG,
+        max_num_seqs=3,
+        num_speculative_tokens=3,
+        use_eagle=use_eagle,
+        specialize_steps=specialize,
+        backend=backend,
     )
     model = ModelState(CFG, 3, mgr.prefix_config)
     running: list[str] = []

@@ -202,8 +202,62 @@ class HostState:
         """vLLM's sequential outcome (`jaxkv.core.step`), for int[R] rows: returns the ok flags bool[R], the
         hit tokens claimed and the copies {(row, group): (source, destination, valid tokens)}.
 
-        The row arithmetic is vectorised over [R, G]; Python loops run only over the rows and groups that
-        claim, release, take or index blocks."""
+        Rows that take, release, claim or index no block and ask for no whole-request gate only advance
+        their counts; the others go through `_allocate_rows`, vectorised over [rows, G] with Python loops
+        over the blocks they move. Configs with state groups or hits inside blocks send every row."""
+        slots = np.asarray(slots, np.int64)
+        k = np.asarray(num_new_tokens, np.int64)
+        if num_lookahead_tokens is not None:
+            k = k + np.asarray(num_lookahead_tokens, np.int64)
+        parts = [num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, num_lookahead_tokens]
+        if self.prefix is not None and (self.partial or _MAMBA in self.kind):
+            return self._allocate_rows(slots, num_new_tokens, *parts)
+        rules, n = self.group_rules, self.num_computed[slots]
+        table_len = -(-n[:, None] // rules.block_size)
+        work = (-(-(n + k)[:, None] // rules.block_size) > table_len).any(axis=1)
+        live = self.first_live[slots]
+        work |= (np.minimum(keep_from_idx(n[:, None], rules, xp=np), table_len) > live).any(axis=1)
+        if num_full_tokens is not None:
+            work |= np.asarray(num_full_tokens) > 0
+        if num_hit_tokens is not None:
+            work |= np.asarray(num_hit_tokens) > 0
+        if self.prefix is not None:
+            num_hashed = np.fromiter(map(len, map(self.hashes.__getitem__, slots.tolist())), np.int64, len(slots))
+            end = np.minimum(num_hashed * self.unit, n + k - (0 if num_lookahead_tokens is None else parts[4]))
+            work |= ((end[:, None] // rules.block_size > self.num_cached[slots]) & (rules.kind != MAMBA)).any(axis=1)
+        rows = np.flatnonzero(work)
+        ok_rows, num_hit, copies = np.ones(0, bool), 0, {}
+        if len(rows):
+            ok_rows, num_hit, copies = self._allocate_rows(
+                slots[rows],
+                np.asarray(num_new_tokens)[rows],
+                *(None if x is None else np.asarray(x)[rows] for x in parts),
+            )
+            copies = {(int(rows[i]), g): c for (i, g), c in copies.items()}
+        failed = np.flatnonzero(~ok_rows)
+        ok = np.arange(len(slots)) < (rows[failed[0]] if len(failed) else len(slots))
+        trivial = ok & ~work  # rows before the first failed one that only advance
+        self.num_computed[slots[trivial]] += k[trivial]
+        if self.prefix is not None:  # what every row records (the rows sent record it too)
+            if num_prompt_tokens is not None:
+                prompt = np.asarray(num_prompt_tokens, np.int64)
+                self.prompt_len[slots[prompt > 0]] = prompt[prompt > 0]
+            if num_shared_tokens is not None:
+                first = trivial & (n == 0)
+                self.shared_len[slots[first]] = np.maximum(np.asarray(num_shared_tokens)[first], 0)
+        return ok, num_hit, copies
+
+    def _allocate_rows(
+        self,
+        slots,
+        num_new_tokens,
+        num_full_tokens=None,
+        num_hit_tokens=None,
+        num_prompt_tokens=None,
+        num_shared_tokens=None,
+        num_lookahead_tokens=None,
+    ) -> tuple[np.ndarray, int, dict]:
+        """`allocate` of every given row."""
         slots = np.asarray(slots, np.int64)
         num_rows, rules = len(slots), self.group_rules
         k = np.asarray(num_new_tokens, np.int64)

@@ -191,9 +191,11 @@ def chunk(num_tokens, prompt_len, start, budget, *, block_size, unit):
 class Driver:
     """A scheduler over one manager and the shadow: requests, their tokens, and their pending hits."""
 
-    def __init__(self, cfg, unit, *, apply_copies=True):
+    def __init__(self, cfg, unit, *, apply_copies=True, backend="jax"):
         self.cfg = cfg
-        self.mgr = KVCacheManager(cfg, max_num_seqs=NUM_SEQS, prefix_match_unit=unit, debug_checks=True)
+        self.mgr = KVCacheManager(
+            cfg, max_num_seqs=NUM_SEQS, prefix_match_unit=unit, debug_checks=True, backend=backend
+        )
         self.unit = self.mgr.prefix_config.unit
         self.block_size = cfg.groups[0].block_size
         self.shadow = Shadow(cfg, apply_copies)
@@ -284,10 +286,10 @@ def draw_prompt(data, seen):
     return tokens + tail
 
 
-def run_random_sequence(data, unit):
+def run_random_sequence(data, unit, backend="jax"):
     """Random adds, steps (running rows, then maybe a preemption or an admission; then the forward pass, or an
     abort), frees and preemptions, each through the manager (invariants checked after every call) and the shadow."""
-    d = Driver(CFG, unit)
+    d = Driver(CFG, unit, backend=backend)
     seen: list[tuple[int, ...]] = []
     budget = CFG.max_num_batched_tokens
     for _ in range(data.draw(st.integers(8, 32), label="num_ops")):
@@ -375,6 +377,12 @@ def test_states_resumed_are_their_prefixes_jitted(data):
 def test_states_resumed_are_their_prefixes_default_unit_jitted(data):
     # Unit 4 (the block size): hits at block ends only; each step runs a program compiled for its work.
     run_random_sequence(data, None)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_states_resumed_are_their_prefixes_host_backend(data):
+    run_random_sequence(data, 2, backend="host")
 
 
 @settings(max_examples=2, deadline=None, derandomize=True)
