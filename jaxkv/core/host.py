@@ -135,10 +135,21 @@ class HostState:
         self.num_free -= k
         for block in blocks:
             ref[block] = 1
-        if self.prefix is not None:
+        if self.prefix is not None:  # popped cached blocks leave the index (`_uncache`, inlined)
+            fields, entries, key_of, bucket_used = self.fields, self.entries, self.key_of, self.bucket_used
+            mask = self.num_buckets - 1
             for block in blocks:
-                if group_of[block] >= 0:
-                    self._uncache(block)
+                g = group_of[block]
+                if g >= 0:
+                    group_of[block] = -1
+                    key = key_of[block]
+                    del fields[g][key]
+                    held = entries[key] - 1
+                    if held:
+                        entries[key] = held
+                    else:
+                        del entries[key]
+                        bucket_used[key & mask] -= 1
         return blocks
 
     def _touch(self, block: int) -> None:
@@ -299,8 +310,11 @@ class HostState:
         releasing_ranges = np.argwhere((keep > live) & ~hit[:, None]).tolist()
         ref, tables = self.ref, self.tables
         for i, g in releasing_ranges:
-            for block in tables[g, slots[i], live[i, g] : keep[i, g]].tolist():
-                freed[i] += block != NULL_BLOCK and ref[block] + claimed.get(block, 0) == 1
+            blocks = tables[g, slots[i], live[i, g] : keep[i, g]].tolist()
+            if claimed:
+                freed[i] += sum(1 for b in blocks if b != NULL_BLOCK and ref[b] + claimed.get(b, 0) == 1)
+            else:  # the null block's count is 0
+                freed[i] += list(map(ref.__getitem__, blocks)).count(1)
         # The gate: vLLM's sequential outcome, vectorised (each row sees the takes and frees of the rows before
         # it; the first row that fails stops the batch, and releases only if its whole-request gate passed).
         cost = need_rows + taken_free
@@ -395,7 +409,8 @@ class HostState:
         # A claim that misses a block is refused, but its blocks still count as claimed in this call.
         found = list(filter(None, found))
         ref = self.ref
-        taken = sum(1 for block in found if ref[block] == 0 and block not in claimed)
+        free = [block for block in found if not ref[block]]
+        taken = len(free) - sum(map(claimed.__contains__, free)) if claimed else len(free)
         claimed.update(found)
         return valid, runs, tail_src, taken
 
@@ -741,10 +756,30 @@ class HostState:
                 (((first, stop, step), groups),) = ranges.items()
                 lo = (first + 1) // step - 1
                 columns = [tables[g, s, lo : lo + len(range(first, stop, step))].tolist() for g in groups]
+                entries, index, group_of, key_of = self.entries, self.fields, self.group_of, self.key_of
+                bucket_used, mask, ways, this_pass = (
+                    self.bucket_used,
+                    self.num_buckets - 1,
+                    self.ways,
+                    self._cached_this_pass,
+                )
+                num_groups = len(groups)
                 for unit, blocks in zip(range(first, stop, step), zip(*columns)):
-                    fields = {g: b for g, b in zip(groups, blocks) if b != NULL_BLOCK}
-                    if fields:
-                        cache(hashes[unit], fields, replace=True)
+                    key = hashes[unit]
+                    if key in entries or NULL_BLOCK in blocks:
+                        fields = {g: b for g, b in zip(groups, blocks) if b != NULL_BLOCK}
+                        if fields:
+                            cache(key, fields, replace=True)
+                        continue
+                    if bucket_used[key & mask] >= ways:  # `_cache` of a new entry, inlined
+                        continue
+                    bucket_used[key & mask] += 1
+                    entries[key] = num_groups
+                    for g, block in zip(groups, blocks):
+                        index[g][key] = block
+                        group_of[block] = g
+                        key_of[block] = key
+                    this_pass.update(blocks)
                 continue
             by_unit: dict[int, dict[int, int]] = {}
             for (first, stop, step), groups in ranges.items():
