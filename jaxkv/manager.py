@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import state as st
-from jaxkv.core.host import HostState, digests_to_ints
+from jaxkv.core.host import HostState
 from jaxkv.core.host_convert import load_state, to_state
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepBatch, StepWork, allocate_step, rollback_ranges, walk_units
@@ -359,7 +359,7 @@ class KVCacheManager:
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
             unit_hasher.extend(token_ids[unit_hasher.num_tokens :])
-            self._host.hashes[slot] = digests_to_ints(unit_hasher.digests)
+            self._host.hashes[slot] = unit_hasher.key_ints  # the hasher extends it as units complete
             self._hashers[slot] = unit_hasher
             self._num_keys[slot] = unit_hasher.num_units
             self._num_hashed_tokens[slot] = len(token_ids)
@@ -458,11 +458,9 @@ class KVCacheManager:
         """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload (or
         given to the host state)."""
         hasher = self._hashers[slot]
-        first = hasher.num_units
         new_keys = hasher.extend(self._token_ids[slot][self._num_hashed_tokens[slot] :])
         self._num_hashed_tokens[slot] = self._num_tokens[slot]
-        if self._host is not None:
-            self._host.hashes[slot] += digests_to_ints(hasher.digests[first:])
+        if self._host is not None:  # the host state's keys are the hasher's `key_ints`
             self._num_keys[slot] = hasher.num_units
             return
         first = len(self._keys[slot])

@@ -44,12 +44,6 @@ def keys_to_ints(keys: np.ndarray) -> list[int]:
     return [low | high << 64 for low, high in zip(lo, hi)]
 
 
-def digests_to_ints(digests) -> list[int]:
-    """The 128-bit int keys of unit digests (`jaxkv.prefix.hashing.digests_to_keys` as ints)."""
-    from_bytes = int.from_bytes
-    return [from_bytes(digest[:16], "little") for digest in digests]
-
-
 def ints_to_keys(keys: list[int]) -> np.ndarray:
     """The inverse of `keys_to_ints`: uint32[U, 4]."""
     mask = (1 << 32) - 1
@@ -311,10 +305,10 @@ class HostState:
         ref, tables = self.ref, self.tables
         for i, g in releasing_ranges:
             blocks = tables[g, slots[i], live[i, g] : keep[i, g]].tolist()
+            # Held by the row alone (the null block's count is 0), less those another row claims.
+            freed[i] += list(map(ref.__getitem__, blocks)).count(1)
             if claimed:
-                freed[i] += sum(1 for b in blocks if b != NULL_BLOCK and ref[b] + claimed.get(b, 0) == 1)
-            else:  # the null block's count is 0
-                freed[i] += list(map(ref.__getitem__, blocks)).count(1)
+                freed[i] -= sum(1 for b in filter(claimed.__contains__, blocks) if ref[b] == 1)
         # The gate: vLLM's sequential outcome, vectorised (each row sees the takes and frees of the rows before
         # it; the first row that fails stops the batch, and releases only if its whole-request gate passed).
         cost = need_rows + taken_free
@@ -658,7 +652,12 @@ class HostState:
                 if new_hit == hit:
                     break
                 hit = new_hit
-            own = [self._hit_blocks(g, keys, bound // self.block_size[g]) * self.block_size[g] for g in full]
+            own = []
+            for g in full:
+                max_blocks = bound // self.block_size[g]
+                if (g, max_blocks) not in memo:
+                    memo[g, max_blocks] = self._hit_blocks(g, keys, max_blocks)
+                own.append(memo[g, max_blocks] * self.block_size[g])
             return hit, max(own, default=hit)
         cached = []
         for g in range(self.num_groups):
