@@ -52,6 +52,24 @@ def ints_to_keys(keys: list[int]) -> np.ndarray:
     )
 
 
+def _gate(num_free: int, cost, taken, freed, full_need, claim_ok) -> tuple[int, int]:
+    """vLLM's sequential outcome, vectorised: each row sees the blocks the rows before it take (`cost`: new
+    blocks and free ones its claim takes) and free; the first row that does not fit, fails its whole-request
+    gate (`full_need`, -1: none) or its claim stops the batch. Returns (rows ok, rows that release: the ok ones
+    and a failed one whose whole-request gate passed)."""
+    take_before = np.cumsum(cost) - cost
+    free_before = num_free + np.cumsum(freed) - freed
+    gate = (
+        np.ones(len(cost), bool)
+        if full_need is None
+        else (full_need < 0) | (take_before + full_need + taken <= free_before)
+    )
+    fits = (take_before + cost <= free_before + freed) & claim_ok
+    failed = np.flatnonzero(~(fits & gate))
+    num_ok = int(failed[0]) if len(failed) else len(cost)
+    return num_ok, num_ok + 1 if num_ok < len(cost) and gate[num_ok] else num_ok
+
+
 class HostState:
     """The state of one manager, in place (see the module docstring)."""
 
@@ -282,10 +300,7 @@ class HostState:
                     self._cache_state_blocks(s)
             start_copies = self._register_tails(slots.tolist(), move=True)
         num_free = self.num_free
-        hit_ok = np.zeros(num_rows, bool)
-        claims, tails, taken_free, claimed = {}, {}, np.zeros(num_rows, np.int64), Counter()
-        for i in np.flatnonzero(hits).tolist():
-            hit_ok[i], claims[i], tails[i], taken_free[i] = self._plan_claim(int(slots[i]), int(hits[i]), claimed)
+        hit_ok, claims, tails, taken_free, claimed = self._plan_claims(slots, hits)
         n_eff = np.where(hit_ok, hits, n)
         cow = {}  # row -> groups whose hit ends inside a block and take a fresh block there
         for i, tail_src in tails.items():
@@ -298,32 +313,16 @@ class HostState:
         need_rows = need.sum(axis=1)
         for i, groups in cow.items():
             need_rows[i] += len(groups)
-        # Blocks a row's release frees (rows without a hit): entries held by it alone.
         hit = hits > 0
-        freed = np.zeros(num_rows, np.int64)
         releasing_ranges = np.argwhere((keep > live) & ~hit[:, None]).tolist()
-        ref, tables = self.ref, self.tables
-        for i, g in releasing_ranges:
-            blocks = tables[g, slots[i], live[i, g] : keep[i, g]].tolist()
-            # Held by the row alone (the null block's count is 0), less those another row claims.
-            freed[i] += list(map(ref.__getitem__, blocks)).count(1)
-            if claimed:
-                freed[i] -= sum(1 for b in filter(claimed.__contains__, blocks) if ref[b] == 1)
-        # The gate: vLLM's sequential outcome, vectorised (each row sees the takes and frees of the rows before
-        # it; the first row that fails stops the batch, and releases only if its whole-request gate passed).
-        cost = need_rows + taken_free
-        take_before = np.cumsum(cost) - cost
-        free_before = num_free + np.cumsum(freed) - freed
-        gate = np.ones(num_rows, bool)
+        freed = self._count_freed(slots, releasing_ranges, live, keep, claimed)
+        full_need = None
         if num_full_tokens is not None and np.any(num_full_tokens):
             full = np.asarray(num_full_tokens, np.int64)[:, None]
             bs = rules.block_size
             full_need = np.maximum(0, np.minimum(-(-full // bs), rules.max_blocks) - -(-n_eff[:, None] // bs))
-            gate = (full[:, 0] == 0) | (take_before + full_need.sum(axis=1) + taken_free <= free_before)
-        fits = (take_before + cost <= free_before + freed) & (hit_ok | ~hit)
-        failed = np.flatnonzero(~(fits & gate))
-        num_ok = int(failed[0]) if len(failed) else num_rows
-        gated = num_ok + 1 if num_ok < num_rows and gate[num_ok] else num_ok
+            full_need = np.where(full[:, 0] > 0, full_need.sum(axis=1), -1)
+        num_ok, gated = _gate(num_free, need_rows + taken_free, taken_free, freed, full_need, hit_ok | ~hit)
         ok = np.arange(num_rows) < num_ok
         # Claims of the rows that succeed, in row order; then releases, new blocks, caching.
         num_hit = int(n_eff[ok & hit_ok].sum())
@@ -339,28 +338,20 @@ class HostState:
                 self._release_range(g, int(slots[i]), int(live[i, g]), int(keep[i, g]), evict_from)
         self.first_live[slots[releasing]] = keep[releasing]
         copies = {(slots.tolist().index(s), g): c for (s, g), c in start_copies.items()}
-        first_new = np.where(ok[:, None], first_new, 0)
+        cow = {i: groups for i, groups in cow.items() if ok[i]}
+        for i, groups in cow.items():  # a fresh block where the hit ends, then the new ones
+            for g in groups:
+                j = int(n_eff[i]) // self.block_size[g]
+                need[i, g] += first_new[i, g] - j
+                first_new[i, g] = j
+        self._take_blocks(slots, ok, need, first_new)
         for i, groups in cow.items():
-            if ok[i]:
-                for g in groups:
-                    j = int(n_eff[i]) // self.block_size[g]
-                    need[i, g] += first_new[i, g] - j
-                    first_new[i, g] = j
-        take = np.argwhere((need > 0) & ok[:, None])
-        if len(take):
-            counts = need[take[:, 0], take[:, 1]]
-            blocks = self._pop_many(int(counts.sum()))
-            rows = np.repeat(take, counts, axis=0)
-            offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-            tables[rows[:, 1], slots[rows[:, 0]], first_new[rows[:, 0], rows[:, 1]] + offsets] = blocks
-        for i, groups in cow.items():
-            if ok[i]:
-                for g in groups:
-                    j = int(n_eff[i]) // self.block_size[g]
-                    dst = int(tables[g, slots[i], j])
-                    ref[dst] += 1
-                    self.copies[dst] = tails[i][g]
-                    copies[(i, g)] = (tails[i][g], dst, int(n_eff[i]) - j * self.block_size[g])
+            for g in groups:
+                j = int(n_eff[i]) // self.block_size[g]
+                dst = int(self.tables[g, slots[i], j])
+                self.ref[dst] += 1
+                self.copies[dst] = tails[i][g]
+                copies[(i, g)] = (tails[i][g], dst, int(n_eff[i]) - j * self.block_size[g])
         self.num_computed[slots[ok]] = (n_eff + k)[ok]
         if caching:
             if self.partial:
@@ -370,6 +361,36 @@ class HostState:
                 first = ok & first_call
                 self.shared_len[slots[first]] = np.maximum(np.asarray(num_shared_tokens)[first], 0)
         return ok, num_hit, copies
+
+    def _plan_claims(self, slots, hits):
+        """The rows' tentative claims, in row order: hit_ok bool[R], {row: runs}, {row: tail sources},
+        taken_free int[R] and the blocks claimed (`_plan_claim`)."""
+        hit_ok, taken_free = np.zeros(len(slots), bool), np.zeros(len(slots), np.int64)
+        claims, tails, claimed = {}, {}, Counter()
+        for i in np.flatnonzero(hits).tolist():
+            hit_ok[i], claims[i], tails[i], taken_free[i] = self._plan_claim(int(slots[i]), int(hits[i]), claimed)
+        return hit_ok, claims, tails, taken_free, claimed
+
+    def _count_freed(self, slots, ranges, live, keep, claimed) -> np.ndarray:
+        """int[R]: blocks the rows' releases [live, keep) of `ranges` free: held by the row alone (the null
+        block's count is 0), less those another row claims."""
+        freed, ref = np.zeros(len(slots), np.int64), self.ref
+        for i, g in ranges:
+            blocks = self.tables[g, slots[i], live[i, g] : keep[i, g]].tolist()
+            freed[i] += list(map(ref.__getitem__, blocks)).count(1)
+            if claimed:
+                freed[i] -= sum(1 for b in filter(claimed.__contains__, blocks) if ref[b] == 1)
+        return freed
+
+    def _take_blocks(self, slots, ok, need, first_new) -> None:
+        """Pops blocks for entries [first_new, first_new + need) of the ok rows, row by row, group by group."""
+        take = np.argwhere((need > 0) & ok[:, None])
+        if len(take):
+            counts = need[take[:, 0], take[:, 1]]
+            blocks = self._pop_many(int(counts.sum()))
+            rows = np.repeat(take, counts, axis=0)
+            offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+            self.tables[rows[:, 1], slots[rows[:, 0]], first_new[rows[:, 0], rows[:, 1]] + offsets] = blocks
 
     def _plan_claim(self, s: int, h: int, claimed: Counter):
         """A row's tentative claim of an h-token hit: (valid, [(group, first index, blocks)], {group: source of
