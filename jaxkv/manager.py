@@ -2,7 +2,8 @@
 
 Dimensions: R requests in one call, G groups, M max blocks per request, T tokens.
 
-The manager owns a `ManagerState` on the device and, on the host, the map
+The manager owns a `ManagerState` on the device (or, with `backend="host"`, a
+`jaxkv.core.host.HostState` updated in place on the host) and, on the host, the map
 from request id to slot plus each request's tokens and counts, so bad input is
 caught before anything is dispatched. Every `*_batch` call is one jitted
 dispatch for many requests; the per-request calls are batches of one.
@@ -182,6 +183,13 @@ class KVCacheManager:
     mappings travel to the model's device as arrays, one transfer each
     (`jax.device_put(tables, model_device)`). Keep it on the accelerator when allocation
     runs inside an on-device loop (`state.decode_steps`).
+
+    `backend="host"`: the state is held on the host as Python and numpy objects and updated in place
+    (`jaxkv.core.host.HostState`): the same transitions with the same outcome, block ids included, at a
+    cost that follows the step's work (its rows and the blocks it moves) rather than compiled shapes; no
+    compilation at all, and every call applies at once (frees and keys are not deferred). `state` and
+    `take_state` convert it to a `ManagerState` for jitted loops and `adopt_state` takes one back
+    (O(blocks), meant for handing over a device loop, not per step). `device` does not apply.
 
     Speculative decoding (`num_speculative_tokens` > 0: at most that many draft tokens per call):
     `allocate_slots` may schedule draft tokens past the request's known tokens, and reserve

@@ -12,9 +12,12 @@ from model_reference import ModelState, assert_state_matches
 from tiny_configs import full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager, UnitHasher
+from jaxkv.core import state as ms
 from jaxkv.core.invariants import check_invariants
+from jaxkv.core.pool import free_order
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.hashing import prompt_unit_hashes
+from jaxkv.prefix.index import index_entries
 
 # Full + sliding window 4 + state group, block 2, 15 usable blocks, 3 requests at most.
 CFG = make_cfg(16, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_batched_tokens=8)
@@ -302,6 +305,48 @@ def test_state_lives_on_the_given_device():
     assert {leaf.devices().pop() for leaf in jax.tree_util.tree_leaves(mgr.state)} == {device}
     assert mgr.block_tables(["a"]).devices() == {device}
     check_invariants(CFG, mgr.state)
+
+
+def test_host_backend_hands_its_state_to_a_jitted_loop_and_back():
+    """A host manager and a jitted one serve the same calls; a jitted loop step runs on each one's state
+    (`take_state` / `adopt_state`) and both go on equal, the tables the model reads included."""
+    managers = [KVCacheManager(CFG, max_num_seqs=3, backend=b, debug_checks=True) for b in ("jax", "host")]
+    for mgr in managers:
+        mgr.add_request("a", list(range(9)))
+        mgr.add_request("b", list(range(9)) + [5, 6])
+        hit = mgr.get_computed_tokens("b")
+        assert mgr.allocate_slots_batch(["a", "b"], [9, 0]).all()
+        mgr.mark_computed()
+        assert mgr.get_computed_tokens("b") == 8 and hit == 0
+        assert mgr.allocate_slots_batch(["b"], [3], [8]).all()
+        state = mgr.take_state()
+        slots = mgr.slots_of(["a", "b"])
+        state, result = ms.allocate(state, slots, np.asarray([1, 1], np.int32), cfg=CFG, prefix=mgr.prefix_config)
+        assert np.asarray(result.ok).all()
+        mgr.adopt_state(state, ["a", "b"])
+        mgr.append_token_ids_batch(["a", "b"], [[1, 2], [3]])
+        assert mgr.allocate_slots_batch(["a", "b"], [2, 1]).all()
+    jax_mgr, host_mgr = managers
+    assert_same_state(jax_mgr.state, host_mgr.state)
+    np.testing.assert_array_equal(jax_mgr.block_tables(["a", "b"]), host_mgr.block_tables(["a", "b"]))
+    meta = [m.step_metadata(["a", "b"], [2, 1], num_tokens=8) for m in managers]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, meta[0], meta[1])
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        KVCacheManager(CFG, backend="gpu")
+    with pytest.raises(ValueError, match="backend='host'"):
+        KVCacheManager(CFG, backend="host", device=jax.devices("cpu")[0])
+
+
+def assert_same_state(a, b):
+    a, b = jax.device_get((a, b))
+    for name in ("block_tables", "num_computed", "first_live_idx"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    for name in ("ref_cnt", "block_group", "num_free_blocks"):
+        np.testing.assert_array_equal(getattr(a.pool, name), getattr(b.pool, name), err_msg=name)
+    assert free_order(a.pool).tolist() == free_order(b.pool).tolist()
+    assert index_entries(a.prefix.index).keys() == index_entries(b.prefix.index).keys()
+    for name in ("num_cached_blocks", "shared_len", "copy_src", "num_hashed_units"):
+        np.testing.assert_array_equal(getattr(a.prefix, name), getattr(b.prefix, name), err_msg=name)
 
 
 def test_batched_appends_hash_only_completed_units():

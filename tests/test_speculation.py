@@ -110,8 +110,9 @@ def test_windows_release_by_the_verified_count():
     check_invariants(cfg, mgr.state, mgr.prefix_config)
 
 
-def test_a_loop_takes_verified_counts_and_hands_back_rejections():
-    mgr = KVCacheManager(CFG, max_num_seqs=3, num_speculative_tokens=3, debug_checks=True)
+@pytest.mark.parametrize("backend", ["jax", "host"])
+def test_a_loop_takes_verified_counts_and_hands_back_rejections(backend):
+    mgr = KVCacheManager(CFG, max_num_seqs=3, num_speculative_tokens=3, debug_checks=True, backend=backend)
     mgr.add_request("a", list(range(5)))
     assert mgr.allocate_slots("a", 5)
     mgr.append_token_ids("a", [9])

@@ -1,10 +1,11 @@
 """The manager state held on the host and updated in place: the host backend of `KVCacheManager`.
 
 The same transitions as `jaxkv.core.step.allocate_step` and `jaxkv.core.state._free`, with the
-same outcome bit for bit (block ids, free order, index entries), written per request for the
-work a call has: a step costs its rows and the blocks it takes, releases and indexes, not the
-padded shapes of a compiled program. `to_state` gives the equal `ManagerState` (for jitted
-loops), `load_state` takes one back (`jaxkv.core.host_convert`).
+same outcome bit for bit (block ids, free order, index entries), written for the work a call
+has: a step costs its rows and the blocks it takes, releases and indexes, not the padded shapes
+of a compiled program (rows without block work only advance their counts; see `allocate`).
+`jaxkv.core.host_convert.to_state` gives the equal `ManagerState` (for jitted loops),
+`load_state` takes one back.
 
 Structures (N blocks, S slots, G groups, M table entries per request):
 * free order: `_head` (a stack of blocks pushed at the head, its last popped first) then
@@ -115,25 +116,12 @@ class HostState:
             self._cached_this_pass: set[int] = set()  # blocks indexed by the current caching pass
 
     # ---- pool ----------------------------------------------------------------------------------
-    def _release(self, block: int, evict_first: bool = False) -> None:
-        ref = self.ref[block] - 1
-        self.ref[block] = ref
-        if ref == 0:
-            if self.group_of[block] >= 0 and not evict_first:
-                self._tail[block] = None
-            else:
-                self._head.append(block)
-            self.num_free += 1
-
     def _unqueue(self, block: int) -> None:
         if block in self._tail:
             del self._tail[block]
         else:
             self._head.remove(block)
         self.num_free -= 1
-
-    def _pop(self) -> int:
-        return self._pop_many(1)[0]
 
     def _pop_many(self, k: int) -> list[int]:
         """The first k free blocks, taken (count 1, evicted from the index if cached)."""
@@ -505,10 +493,6 @@ class HostState:
             del self.entries[key]
             self.bucket_used[key & (self.num_buckets - 1)] -= 1
 
-    def _probe(self, key: int, g: int) -> int:
-        return self.fields[g].get(key, NULL_BLOCK)
-
-    @property
     def index(self) -> dict[int, list[int]]:
         """The index entries: key -> one block per group (NULL_BLOCK: none)."""
         out: dict[int, list[int]] = {}
@@ -578,8 +562,7 @@ class HostState:
         """The copies into `dsts` were applied: source, then destination, drop their pins."""
         for d in dict.fromkeys(dsts):
             if d in self.copies:
-                self._release(self.copies.pop(d))
-                self._release(d)
+                self._release_blocks([self.copies.pop(d), d])
 
     def _tail_of(self, s: int) -> int:
         """p*: the prompt tail's final unit boundary of slot s (0: no prompt length)."""
@@ -621,7 +604,7 @@ class HostState:
         copies = {}
         for s, g in moves:
             tail, bs = self._tail_of(s), self.block_size[g]
-            src, dst = int(self.tables[g, s, tail // bs]), self._pop()
+            src, dst = int(self.tables[g, s, tail // bs]), self._pop_many(1)[0]
             self.tables[g, s, tail // bs] = dst
             self.ref[dst] += 1
             self.copies[dst] = src
