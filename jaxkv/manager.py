@@ -1052,6 +1052,9 @@ class KVCacheManager:
         else:
             load_state(self._host, state)
             self._host_taken = False
+            for slot in self._slot_of.values():  # the hashers extend the host state's keys again
+                if self._hashers[slot] is not None:
+                    self._host.hashes[slot] = self._hashers[slot].key_ints
         num_computed, first_live, num_free = jax.device_get(
             (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
         )

@@ -310,26 +310,28 @@ def test_state_lives_on_the_given_device():
 def test_host_backend_hands_its_state_to_a_jitted_loop_and_back():
     """A host manager and a jitted one serve the same calls; a jitted loop step runs on each one's state
     (`take_state` / `adopt_state`) and both go on equal, the tables the model reads included."""
-    managers = [KVCacheManager(CFG, max_num_seqs=3, backend=b, debug_checks=True) for b in ("jax", "host")]
+    cfg = make_cfg(40, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_batched_tokens=8)
+    managers = [KVCacheManager(cfg, max_num_seqs=3, backend=b, debug_checks=True) for b in ("jax", "host")]
     for mgr in managers:
-        mgr.add_request("a", list(range(9)))
-        mgr.add_request("b", list(range(9)) + [5, 6])
+        mgr.add_request("a", list(range(5)))
+        mgr.add_request("b", list(range(5)) + [5, 6])
         hit = mgr.get_computed_tokens("b")
-        assert mgr.allocate_slots_batch(["a", "b"], [9, 0]).all()
+        assert mgr.allocate_slots_batch(["a", "b"], [4, 0]).all()
+        assert mgr.allocate_slots_batch(["a"], [1]).all()  # a state saved at 4 tokens is indexed
         mgr.mark_computed()
-        assert mgr.get_computed_tokens("b") == 8 and hit == 0
-        assert mgr.allocate_slots_batch(["b"], [3], [8]).all()
+        assert mgr.get_computed_tokens("b") == 4 and hit == 0
+        assert mgr.allocate_slots_batch(["b"], [3], [4]).all()
         state = mgr.take_state()
         slots = mgr.slots_of(["a", "b"])
-        state, result = ms.allocate(state, slots, np.asarray([1, 1], np.int32), cfg=CFG, prefix=mgr.prefix_config)
+        state, result = ms.allocate(state, slots, np.asarray([1, 1], np.int32), cfg=cfg, prefix=mgr.prefix_config)
         assert np.asarray(result.ok).all()
         mgr.adopt_state(state, ["a", "b"])
-        mgr.append_token_ids_batch(["a", "b"], [[1, 2], [3]])
-        assert mgr.allocate_slots_batch(["a", "b"], [2, 1]).all()
+        mgr.append_token_ids_batch(["a", "b"], [[1, 2], [3, 4]])  # the loop's token and the one it sampled
+        assert mgr.allocate_slots_batch(["a", "b"], [1, 1]).all()
     jax_mgr, host_mgr = managers
     assert_same_state(jax_mgr.state, host_mgr.state)
     np.testing.assert_array_equal(jax_mgr.block_tables(["a", "b"]), host_mgr.block_tables(["a", "b"]))
-    meta = [m.step_metadata(["a", "b"], [2, 1], num_tokens=8) for m in managers]
+    meta = [m.step_metadata(["a", "b"], [1, 1], num_tokens=8) for m in managers]
     jax.tree_util.tree_map(np.testing.assert_array_equal, meta[0], meta[1])
     with pytest.raises(ValueError, match="backend='gpu'"):
         KVCacheManager(CFG, backend="gpu")

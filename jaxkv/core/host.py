@@ -493,6 +493,7 @@ class HostState:
             del self.entries[key]
             self.bucket_used[key & (self.num_buckets - 1)] -= 1
 
+    @property
     def index(self) -> dict[int, list[int]]:
         """The index entries: key -> one block per group (NULL_BLOCK: none)."""
         out: dict[int, list[int]] = {}
