@@ -379,7 +379,7 @@ def test_states_resumed_are_their_prefixes_default_unit_jitted(data):
     run_random_sequence(data, None)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=50, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_states_resumed_are_their_prefixes_host_backend(data):
     run_random_sequence(data, 2, backend="host")
