@@ -420,9 +420,14 @@ class KVCacheManager:
         self._shared_len[slots] = packed[num_rows : num_rows + len(slots)]
         return packed[: len(slots)].astype(np.int64)
 
+    def _held_host(self) -> HostState:
+        if self._host_taken:
+            raise ValueError("the state was handed over (take_state); give it back with adopt_state first")
+        return self._host
+
     def _lookup_host(self, slots: np.ndarray) -> np.ndarray:
         hits = np.zeros(len(slots), np.int64)
-        host, stats = self._host, self.prefix_stats
+        host, stats = self._held_host(), self.prefix_stats
         for i, slot in enumerate(slots.tolist()):
             keys, num_tokens = host.hashes[slot], int(self._num_tokens[slot])
             hits[i], self._shared_len[slot] = hit, shared = host.lookup(keys, num_tokens, self.use_eagle)
@@ -673,7 +678,7 @@ class KVCacheManager:
 
     def _allocate_host(self, slots, num_new, hits, full, lookahead) -> np.ndarray:
         """`allocate_slots_batch` on the host state, in place."""
-        host, caching = self._host, self.prefix_config is not None
+        host, caching = self._held_host(), self.prefix_config is not None
         num_computed, num_tokens = self._num_computed[slots], self._num_tokens[slots]
         self._num_written[slots] = num_computed  # this call says the rows' earlier steps ran
         pending = self._pending_reject[slots]
@@ -878,7 +883,7 @@ class KVCacheManager:
             counts = self._num_computed[slots] + self._pending_reject[slots]  # rejected drafts still held
             written = self._num_written[slots]
             written = np.where(written >= self._num_computed[slots], counts, written)
-            self._host.free(slots.tolist(), written.tolist())
+            self._held_host().free(slots.tolist(), written.tolist())
         # Requests with nothing computed hold no block; their keys on the device must go too.
         device_counts = self._num_computed[slots] + self._pending_reject[slots]  # rejected drafts still held
         holding = slots[(device_counts > 0) | (self._num_uploaded[slots] > 0)]
@@ -965,9 +970,7 @@ class KVCacheManager:
         `prefix=mgr.prefix_config` to the transitions.
         """
         if self._host is not None:
-            if self._host_taken:
-                raise ValueError("the state was handed over (take_state); adopt_state gives it back")
-            return to_state(self._host)
+            return to_state(self._held_host())
         self._sync_counts()
         self._flush_frees()
         self._flush_uploads()

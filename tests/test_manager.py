@@ -336,6 +336,10 @@ def test_host_backend_hands_its_state_to_a_jitted_loop_and_back():
     np.testing.assert_array_equal(jax_mgr.block_tables(["a", "b"]), host_mgr.block_tables(["a", "b"]))
     meta = [m.step_metadata(["a", "b"], [1, 1], num_tokens=8) for m in managers]
     jax.tree_util.tree_map(np.testing.assert_array_equal, meta[0], meta[1])
+    state = host_mgr.take_state()
+    with pytest.raises(ValueError, match="handed over"):
+        host_mgr.free("a")
+    host_mgr.adopt_state(state, [])
     with pytest.raises(ValueError, match="backend='gpu'"):
         KVCacheManager(CFG, backend="gpu")
     with pytest.raises(ValueError, match="backend='host'"):
