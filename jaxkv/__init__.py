@@ -8,10 +8,12 @@ The folders follow the flow in DESIGN.md:
                token's K/V lives, block copies; the HTML drawing of a plan's layout
     core/      init the ManagerState and run each engine step: the block pool, the block tables per
                group, the step's pipeline of phases (free - ... - take blocks) -> block tables and
-               slot mappings; the invariant checks
+               slot mappings; the invariant checks; the same transitions on the host, in place
+               (host.py, the manager's `backend="host"`), and conversions to and from ManagerState
     prefix/    the step's prefix-caching phases (store keys, lookup + claim hits, index filled
                blocks): unit hashes on the host, the on-device index, the hit rules, hits inside blocks
-    manager.py    KVCacheManager: vLLM's vocabulary on the host over core's jitted transitions
+    manager.py    KVCacheManager: vLLM's vocabulary on the host over core's jitted transitions (or its
+                  host state)
     metadata.py   the model step: one StepMetadata per step, and attend (paged scatter + paged
                   attention, from the separate pallas_kernels package)
     cli.py        python -m jaxkv plan / layout
