@@ -51,7 +51,8 @@ def test_every_module_in_a_subpackage_has_its_old_path():
         for package in subpackages
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__, package + ".")
     }
-    assert modules == set(MOVED.values())
+    # Modules written after the move have no former flat path.
+    assert modules == set(MOVED.values()) | {"jaxkv.core.host", "jaxkv.core.host_convert"}
 
 
 @pytest.mark.parametrize("old, new", PAIRS)
