@@ -222,7 +222,7 @@ class HostState:
             k = k + np.asarray(num_lookahead_tokens, np.int64)
         parts = [num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, num_lookahead_tokens]
         if self.prefix is not None and (self.partial or _MAMBA in self.kind):
-            return self._allocate_rows(slots, num_new_tokens, *parts)
+            return self._allocate_rows(slots, num_new_tokens, parts)
         rules, n = self.group_rules, self.num_computed[slots]
         table_len = -(-n[:, None] // rules.block_size)
         work = (-(-(n + k)[:, None] // rules.block_size) > table_len).any(axis=1)
@@ -239,11 +239,8 @@ class HostState:
         rows = np.flatnonzero(work)
         ok_rows, num_hit, copies = np.ones(0, bool), 0, {}
         if len(rows):
-            ok_rows, num_hit, copies = self._allocate_rows(
-                slots[rows],
-                np.asarray(num_new_tokens)[rows],
-                *(None if x is None else np.asarray(x)[rows] for x in parts),
-            )
+            given = [None if x is None else np.asarray(x)[rows] for x in parts]
+            ok_rows, num_hit, copies = self._allocate_rows(slots[rows], np.asarray(num_new_tokens)[rows], given)
             copies = {(int(rows[i]), g): c for (i, g), c in copies.items()}
         failed = np.flatnonzero(~ok_rows)
         ok = np.arange(len(slots)) < (rows[failed[0]] if len(failed) else len(slots))
@@ -258,17 +255,9 @@ class HostState:
                 self.shared_len[slots[first]] = np.maximum(np.asarray(num_shared_tokens)[first], 0)
         return ok, num_hit, copies
 
-    def _allocate_rows(
-        self,
-        slots,
-        num_new_tokens,
-        num_full_tokens=None,
-        num_hit_tokens=None,
-        num_prompt_tokens=None,
-        num_shared_tokens=None,
-        num_lookahead_tokens=None,
-    ) -> tuple[np.ndarray, int, dict]:
-        """`allocate` of every given row."""
+    def _allocate_rows(self, slots, num_new_tokens, parts) -> tuple[np.ndarray, int, dict]:
+        """`allocate` of every given row; `parts`: its optional arguments after `num_new_tokens`, in order."""
+        num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, num_lookahead_tokens = parts
         slots = np.asarray(slots, np.int64)
         num_rows, rules = len(slots), self.group_rules
         k = np.asarray(num_new_tokens, np.int64)
