@@ -170,7 +170,7 @@ def test_errors_name_the_offending_value():
         )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.data())
 def test_random_speculation_matches_model(data):
     """add / lookup / batched allocate (prefill chunks, decodes with drafts and lookahead slots), each

@@ -118,14 +118,14 @@ def run_random_sequence(data, cfg, chunk_sizes):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(data=st.data())
 def test_random_sequences_jitted(case, data):
     run_random_sequence(data, *CASES[case])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(data=st.data())
 def test_random_sequences_eager(case, data):
     with jax.disable_jit():

@@ -8,6 +8,7 @@ both processes, so every step's collectives cross processes (gloo over TCP).
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -31,7 +32,7 @@ def run_processes(tmp_path, *extra: str) -> list[tuple[int | None, str]]:
     Output goes to files, not pipes, so that no process blocks on a full pipe while
     the test waits for the other.
     """
-    env = decode_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = decode_env(XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip())
     coordinator = f"localhost:{_free_port()}"
     logs = [tmp_path / f"process{i}.log" for i in range(NUM_PROCESSES)]
     procs, killed = [], set()

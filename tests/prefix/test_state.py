@@ -595,14 +595,14 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False, speculate=Fal
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_random_sequences_jitted(case, data):
     run_random_sequence(data, *CASES[case])
 
 
 @pytest.mark.parametrize("case", ["full_unit", "hybrid_state_unit", "mixed_block_sizes"])
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_reuse_sequences_jitted(case, data):
     # Units finer than a full-attention or state block: hits inside blocks, copies, moved states.
@@ -614,14 +614,14 @@ SPECULATIVE_CASES = ["full_sw", "unit_below_block", "full_unit"]
 
 
 @pytest.mark.parametrize("case", SPECULATIVE_CASES)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_speculative_sequences_jitted(case, data):
     run_random_sequence(data, *CASES[case], speculate=True)
 
 
 @pytest.mark.parametrize("case", SPECULATIVE_CASES)
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)
 @given(data=st.data())
 def test_speculative_sequences_eager(case, data):
     with jax.disable_jit():
@@ -633,7 +633,7 @@ def cfg_block_sizes(cfg) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)
 @given(data=st.data())
 def test_random_sequences_eager(case, data):
     with jax.disable_jit():
