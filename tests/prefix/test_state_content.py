@@ -372,7 +372,7 @@ def test_states_resumed_are_their_prefixes_jitted(data):
     run_random_sequence(data, 2)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True)
+@settings(max_examples=5, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_states_resumed_are_their_prefixes_default_unit_jitted(data):
     # Unit 4 (the block size): hits at block ends only; each step runs a program compiled for its work.
