@@ -11,8 +11,9 @@ are found in their own folder.
 
 XLA compiles the tests' programs with its backend optimizations off (`TEST_XLA_FLAGS`, set before jax is imported,
 inherited by the example runs): most of the suite's time is compilation of programs that then run once or a few
-times on tiny inputs, and this halves a manager program's compile time (11.7 s to 5.7 s for a tiny config's full
-program with prefix caching). The programs compute the same results; benchmarks run with XLA's defaults."""
+times on tiny inputs. A tiny config's full allocation program with prefix caching then compiles in 5.7 s instead
+of 11.7 s (jax 0.10.2; 4.6 s instead of 6.7 s on jax 0.12), and the example's tiny run takes 52 s instead of 79 s.
+The programs compute the same results; benchmarks run with XLA's defaults."""
 
 import os
 

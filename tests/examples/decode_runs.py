@@ -40,14 +40,9 @@ COMPILATION_CACHE: list[str] = []  # set by conftest: one persistent compilation
 
 
 def decode_env(**extra: str) -> dict[str, str]:
-    """The child's environment: the CPU, and the shared compilation cache, every program in it however
-    short its compilation (each allocation work signature of the manager compiles once for all runs, not
-    once per run)."""
-    cache = (
-        {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE[0], "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-        if COMPILATION_CACHE
-        else {}
-    )
+    """The child's environment: the CPU, and the shared compilation cache (each allocation work
+    signature of the manager compiles once for all runs, not once per run)."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE[0]} if COMPILATION_CACHE else {}
     return dict(os.environ, JAX_PLATFORMS="cpu", **cache, **extra)
 
 
