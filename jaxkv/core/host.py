@@ -9,8 +9,8 @@ of a compiled program (rows without block work only advance their counts; see `a
 
 Structures (N blocks, S slots, G groups, M table entries per request):
 * free order: `_head` (a stack of blocks pushed at the head, its last popped first) then
-  `_tail` (appended cached blocks, oldest first; a `BlockQueue`: pops, appends and removals from the
-  middle, a hit on a free cached block, in a few array operations);
+  `_tail` (appended cached blocks, oldest first; an insertion-ordered dict: O(1) pop,
+  append and removal from the middle, a hit on a free cached block);
 * `ref`, `group_of` (cached group, -1), `key_of` (the cached block's key): lists of N;
 * block tables: int32[G, S, M] (`tables`), written by slices;
 * the index: per group a dict from a key to its block (`fields`), and per key the groups that
@@ -21,12 +21,11 @@ Structures (N blocks, S slots, G groups, M table entries per request):
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from itertools import takewhile
 
 import numpy as np
 
-from jaxkv.core.host_queue import BlockQueue
 from jaxkv.core.state import MAMBA, allocation_ranges, group_rules, keep_from_idx, max_blocks_per_request
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK
@@ -93,7 +92,7 @@ class HostState:
         n = cfg.num_blocks
         self.ref = [0] * n
         self._head: list[int] = []
-        self._tail = BlockQueue(n, range(1, n))
+        self._tail: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
         self.num_free = n - 1
         self.group_of = [-1] * n
         self.tables = np.zeros((num_groups, max_num_seqs, max_blocks_per_request(cfg)), np.int32)
@@ -119,7 +118,7 @@ class HostState:
     # ---- pool ----------------------------------------------------------------------------------
     def _unqueue(self, block: int) -> None:
         if block in self._tail:
-            self._tail.remove(block)
+            del self._tail[block]
         else:
             self._head.remove(block)
         self.num_free -= 1
@@ -131,7 +130,8 @@ class HostState:
         blocks = head[len(head) - num_head :][::-1]
         del head[len(head) - num_head :]
         if k > num_head:
-            blocks += self._tail.pop_front(k - num_head)
+            popitem = self._tail.popitem
+            blocks += [popitem(last=False)[0] for _ in range(k - num_head)]
         self.num_free -= k
         for block in blocks:
             ref[block] = 1
@@ -172,7 +172,7 @@ class HostState:
     def _release_blocks(self, blocks, evict_first: bool = False) -> None:
         """Releases blocks in order (NULL_BLOCK entries skipped); a cached one goes to the tail, unless
         `evict_first`."""
-        ref, group_of, head, tail = self.ref, self.group_of, self._head, []
+        ref, group_of, head, tail = self.ref, self.group_of, self._head, self._tail
         freed = 0
         for block in blocks:
             if block == NULL_BLOCK:
@@ -182,10 +182,9 @@ class HostState:
             if count == 0:
                 freed += 1
                 if group_of[block] >= 0 and not evict_first:
-                    tail.append(block)
+                    tail[block] = None
                 else:
                     head.append(block)
-        self._tail.extend(tail)
         self.num_free += freed
 
     # ---- rules ---------------------------------------------------------------------------------
@@ -413,7 +412,7 @@ class HostState:
             for block in blocks:
                 if ref[block] == 0:
                     if block in tail:
-                        tail.remove(block)
+                        del tail[block]
                     else:
                         self._head.remove(block)
                     self.num_free -= 1

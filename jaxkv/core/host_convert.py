@@ -8,7 +8,7 @@ faster structures:
 
     attribute     host                                  ManagerState
     ref           list[int] N                           pool.ref_cnt
-    _head, _tail  list[int], BlockQueue               free order = reversed(_head) + _tail (`pool.free_order`)
+    _head, _tail  list[int], OrderedDict[int, None]     free order = reversed(_head) + _tail (`pool.free_order`)
     num_free      int                                   pool.num_free_blocks
     group_of      list[int] N (−1: not cached)          pool.block_group
     tables        int32[G, S, M]                        block_tables
@@ -29,6 +29,7 @@ Host objects also carry `cfg`, `prefix` (a PrefixCacheConfig or None) and `max_n
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import jax
@@ -36,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core.host import ints_to_keys, keys_to_ints
-from jaxkv.core.host_queue import BlockQueue
 from jaxkv.core.pool import HASH_WORDS, NOT_CACHED, PoolState, free_order
 from jaxkv.core.state import ManagerState, max_blocks_per_request
 from jaxkv.planner.specs import NULL_BLOCK
@@ -173,7 +173,7 @@ def load_state(host, state: ManagerState) -> None:
     host.ref = np.asarray(pool.ref_cnt).tolist()
     order = free_order(pool).tolist()
     host._head = []
-    host._tail = BlockQueue(cfg.num_blocks, order)
+    host._tail = collections.OrderedDict.fromkeys(order)
     host.num_free = len(order)
     host.group_of = block_group.tolist()
     host.tables = np.array(state.block_tables, np.int32)

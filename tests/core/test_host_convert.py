@@ -1,6 +1,7 @@
 """`jaxkv.core.host_convert`: a ManagerState made by real traffic goes to a host object and back unchanged in
 meaning, and the jitted transitions carry on from the converted state exactly as from the original."""
 
+import collections
 
 import chex
 import jax
@@ -13,7 +14,6 @@ import jaxkv
 from jaxkv import KVCacheManager
 from jaxkv.core.host import HostState
 from jaxkv.core.host_convert import load_state, to_state
-from jaxkv.core.host_queue import BlockQueue
 from jaxkv.core.pool import NOT_CACHED, free_order
 from jaxkv.core.state import init_state
 from jaxkv.prefix.index import index_entries
@@ -69,7 +69,7 @@ def model_of(host) -> ModelState:
 def assert_host_matches(host, state):
     """The host attributes `assert_state_matches` leaves out: types, the free count, keys word for word."""
     state = jax.device_get(state)
-    assert isinstance(host._head, list) and isinstance(host._tail, BlockQueue)
+    assert isinstance(host._head, list) and isinstance(host._tail, collections.OrderedDict)
     assert host.num_free == len(host._head) + len(host._tail) == int(state.pool.num_free_blocks)
     assert isinstance(host.tables, np.ndarray) and host.tables.dtype == np.int32
     assert len(host.first_live) == host.max_num_seqs and len(host.ref) == len(host.group_of) == host.cfg.num_blocks
@@ -208,7 +208,7 @@ def test_free_order_reads_head_reversed_then_tail():
     host = HostState(cfg, 2, prefix)
     load_state(host, init_state(cfg, 2, prefix))
     host._head = [3, 5]  # 5 was pushed last: it is reused first
-    host._tail = BlockQueue(cfg.num_blocks, (b for b in range(1, cfg.num_blocks) if b not in (3, 5)))
+    host._tail = collections.OrderedDict.fromkeys(b for b in range(1, cfg.num_blocks) if b not in (3, 5))
     state = to_state(host)
     assert free_order(state.pool).tolist()[:3] == [5, 3, 1]
     jaxkv.check_invariants(cfg, state, prefix)
