@@ -89,17 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=32768, help="pool size, the null block included")
     p.add_argument("--base", default="HEAD", help="the git revision B runs")
     a = p.parse_args(argv)
-    args = argparse.Namespace(
-        workload=a.workload,
-        num_blocks=a.num_blocks,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_model_len=32768,
-        no_prefix_caching=False,
-        speculate=0,
-        backend="host",
-        warmup_replays=0,
-        trace=None,
+    args = sw.argument_parser().parse_args(
+        ["--workload", a.workload, "--num-blocks", str(a.num_blocks), "--backend", "host", "--warmup-replays", "0"]
     )
     with tempfile.TemporaryDirectory() as tmp:
         base = load_revision(a.base, Path(tmp))

@@ -398,7 +398,8 @@ def replay(args, workload: dict, trace=None) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The command line's options; their defaults are the replay's."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", required=True, help="JSON file from ../shared/workloads/serving_workload.py")
     p.add_argument("--num-blocks", type=int, default=131072, help="pool size, the null block included")
@@ -416,7 +417,11 @@ def main(argv=None) -> int:
         "blocks (JSONL), for benchmarks/compare_vllm_trace.py",
     )
     p.add_argument("--json", action="store_true", help="print one JSON line (otherwise a short summary)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = argument_parser().parse_args(argv)
     sync_cpu_dispatch()
     workload = json.load(open(args.workload))
     warm_s, compile_s = 0.0, None
