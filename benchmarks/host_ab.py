@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 import benchmarks.serving_workload as sw  # noqa: E402
 
 _IMPORTS = re.compile(r"\b(from|import) jaxkv\b")
@@ -40,7 +41,7 @@ _IMPORTS = re.compile(r"\b(from|import) jaxkv\b")
 
 def load_revision(rev: str, into: Path) -> types.ModuleType:
     """The revision's jaxkv package, imported as `jaxkv_base` from `into`."""
-    tar = subprocess.run(["git", "archive", rev, "jaxkv"], capture_output=True, check=True).stdout
+    tar = subprocess.run(["git", "archive", rev, "jaxkv"], cwd=ROOT, capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(into, filter="data")
     (into / "jaxkv").rename(into / "jaxkv_base")
@@ -65,7 +66,7 @@ class PairedManager:
 
         def call(*args, **kw):
             kw_b = dict(kw)
-            if kw.get("unit_hasher") is not None:  # B's own hasher, with A's keys (the same hash seed)
+            if kw.get("unit_hasher") is not None:  # B's own hasher (of A's class: the same keys)
                 kw_b["unit_hasher"] = type(kw["unit_hasher"])(self.b.prefix_config.unit)
                 kw_b["unit_hasher"].extend(args[1])
             runs = [("A", method_a, kw), ("B", method_b, kw_b)]
