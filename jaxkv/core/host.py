@@ -8,10 +8,8 @@ of a compiled program (rows without block work only advance their counts; see `a
 `load_state` takes one back.
 
 Structures (N blocks, S slots, G groups, M table entries per request):
-* free order: `_head` (a stack of blocks pushed at the head, its last popped first) then
-  `_tail` (appended cached blocks, oldest first; an insertion-ordered dict: O(1) pop,
-  append and removal from the middle, a hit on a free cached block);
-* `ref`, `group_of` (cached group, -1), `key_of` (the cached block's key): lists of N;
+* the pool: `ref`, `group_of` (cached group, -1) and the free order (`nxt`, `prv`: a linked list), int32[N]
+  arrays updated by the compiled loops of `jaxkv.core.host_pool`; `key_of` (the cached block's key): a list of N;
 * block tables: int32[G, S, M] (`tables`), written by slices;
 * the index: per group a dict from a key to its block (`fields`), and per key the groups that
   hold it (`entries`), with the index's bucket capacity (`ways` keys per bucket,
@@ -21,12 +19,21 @@ Structures (N blocks, S slots, G groups, M table entries per request):
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from itertools import takewhile
 
 import numpy as np
 
-from jaxkv.core.state import MAMBA, allocation_ranges, group_rules, keep_from_idx, max_blocks_per_request
+from jaxkv.core import host_pool as pool
+from jaxkv.core.state import (
+    CHUNKED_LOCAL,
+    MAMBA,
+    SLIDING_WINDOW,
+    allocation_ranges,
+    group_rules,
+    keep_from_idx,
+    max_blocks_per_request,
+)
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.index import num_buckets_for
@@ -89,12 +96,10 @@ class HostState:
             for g in groups
         ]
         self.group_rules = group_rules(cfg)
+        self.windowed = np.isin(self.group_rules.kind, (SLIDING_WINDOW, CHUNKED_LOCAL))
         n = cfg.num_blocks
-        self.ref = [0] * n
-        self._head: list[int] = []
-        self._tail: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, n))
+        self.ref, self.group_of, self.nxt, self.prv = pool.new_pool(n)
         self.num_free = n - 1
-        self.group_of = [-1] * n
         self.tables = np.zeros((num_groups, max_num_seqs, max_blocks_per_request(cfg)), np.int32)
         self.first_live = np.zeros((max_num_seqs, num_groups), np.int64)
         self.num_computed = np.zeros(max_num_seqs, np.int64)
@@ -116,76 +121,48 @@ class HostState:
             self._cached_this_pass: set[int] = set()  # blocks indexed by the current caching pass
 
     # ---- pool ----------------------------------------------------------------------------------
-    def _unqueue(self, block: int) -> None:
-        if block in self._tail:
-            del self._tail[block]
-        else:
-            self._head.remove(block)
-        self.num_free -= 1
+    def free_order(self) -> list[int]:
+        """The free blocks, first popped first."""
+        return pool.free_order(self.nxt, self.num_free).tolist()
 
-    def _pop_many(self, k: int) -> list[int]:
+    def set_free_order(self, order) -> None:
+        """Makes `order` (first popped first) the free blocks; their counts must be 0."""
+        pool.set_order(self.nxt, self.prv, order)
+        self.num_free = len(order)
+
+    def _pop_many(self, k: int) -> np.ndarray:
         """The first k free blocks, taken (count 1, evicted from the index if cached)."""
-        head, ref, group_of = self._head, self.ref, self.group_of
-        num_head = min(k, len(head))
-        blocks = head[len(head) - num_head :][::-1]
-        del head[len(head) - num_head :]
-        if k > num_head:
-            popitem = self._tail.popitem
-            blocks += [popitem(last=False)[0] for _ in range(k - num_head)]
+        blocks, groups = pool.pop(k, self.nxt, self.prv, self.ref, self.group_of)
         self.num_free -= k
-        for block in blocks:
-            ref[block] = 1
         if self.prefix is not None:  # popped cached blocks leave the index (`_uncache`, inlined)
             fields, entries, key_of, bucket_used = self.fields, self.entries, self.key_of, self.bucket_used
             mask = self.num_buckets - 1
-            for block in blocks:
-                g = group_of[block]
-                if g >= 0:
-                    group_of[block] = -1
-                    key = key_of[block]
-                    del fields[g][key]
-                    held = entries[key] - 1
-                    if held:
-                        entries[key] = held
-                    else:
-                        del entries[key]
-                        bucket_used[key & mask] -= 1
+            evicted = np.flatnonzero(groups >= 0)
+            for block, g in zip(blocks[evicted].tolist(), groups[evicted].tolist()):
+                key = key_of[block]
+                del fields[g][key]
+                held = entries[key] - 1
+                if held:
+                    entries[key] = held
+                else:
+                    del entries[key]
+                    bucket_used[key & mask] -= 1
         return blocks
 
     def _touch(self, block: int) -> None:
-        if self.ref[block] == 0:
-            self._unqueue(block)
-        self.ref[block] += 1
+        self.num_free -= pool.claim(np.array([block], np.int32), self.nxt, self.prv, self.ref)
 
-    def _release_range(self, g: int, s: int, lo: int, hi: int, evict_from: int | None = None) -> None:
-        if hi <= lo:
-            return
-        row = self.tables[g, s]
-        blocks = row[lo:hi].tolist()
-        row[lo:hi] = NULL_BLOCK
-        if evict_from is not None and evict_from < hi:  # from evict_from on, cached blocks go to the head too
-            cut = max(evict_from, lo) - lo
-            self._release_blocks(reversed(blocks[cut:]), evict_first=True)
-            blocks = blocks[:cut]
-        self._release_blocks(reversed(blocks))
+    def _release_ranges(self, ranges) -> None:
+        """Releases table entries: (group, slot, lo, hi, evict_from) rows, see `host_pool.release_ranges`."""
+        if len(ranges):
+            ranges = np.asarray(ranges, np.int64).reshape(-1, 5)
+            self.num_free += pool.release_ranges(self.tables, ranges, self.nxt, self.prv, self.ref, self.group_of)
 
     def _release_blocks(self, blocks, evict_first: bool = False) -> None:
-        """Releases blocks in order (NULL_BLOCK entries skipped); a cached one goes to the tail, unless
+        """Releases blocks in order (NULL_BLOCK entries skipped); a cached one goes to the back, unless
         `evict_first`."""
-        ref, group_of, head, tail = self.ref, self.group_of, self._head, self._tail
-        freed = 0
-        for block in blocks:
-            if block == NULL_BLOCK:
-                continue
-            count = ref[block] - 1
-            ref[block] = count
-            if count == 0:
-                freed += 1
-                if group_of[block] >= 0 and not evict_first:
-                    tail[block] = None
-                else:
-                    head.append(block)
-        self.num_free += freed
+        blocks = np.asarray(blocks, np.int32)
+        self.num_free += pool.release(blocks, evict_first, self.nxt, self.prv, self.ref, self.group_of)
 
     # ---- rules ---------------------------------------------------------------------------------
     def _keep_from(self, g: int, n: int) -> int:
@@ -291,8 +268,13 @@ class HostState:
         for i, groups in cow.items():
             need_rows[i] += len(groups)
         hit = hits > 0
-        releasing_ranges = np.argwhere((keep > live) & ~hit[:, None]).tolist()
-        freed = self._count_freed(slots, releasing_ranges, live, keep, claimed)
+        at = np.argwhere((keep > live) & ~hit[:, None])  # [row, group] of each range a row may release
+        rows_at, groups_at = at[:, 0], at[:, 1]
+        ranges = np.stack([groups_at, slots[rows_at], live[rows_at, groups_at], keep[rows_at, groups_at]], axis=1)
+        claimed_mask = np.zeros(len(self.ref), bool)
+        claimed_mask[list(claimed)] = True
+        sole = pool.count_sole(self.tables, ranges, self.ref, claimed_mask)
+        freed = np.bincount(rows_at, sole, minlength=num_rows).astype(np.int64)
         full_need = None
         if num_full_tokens is not None and np.any(num_full_tokens):
             full = np.asarray(num_full_tokens, np.int64)[:, None]
@@ -306,13 +288,11 @@ class HostState:
         for i in np.flatnonzero(ok & hit_ok).tolist():
             self._apply_claim(int(slots[i]), int(n_eff[i]), claims[i], tails[i], cow.get(i, ()))
         releasing = (np.arange(num_rows) < gated) & ~hit
-        shared_len = self.shared_len[slots] if caching else np.zeros(num_rows, np.int64)
-        for i, g in releasing_ranges:
-            if releasing[i]:
-                bs = self.block_size[g]
-                windowed = self.kind[g] in (_SLIDING, _CHUNKED)
-                evict_from = int(shared_len[i]) // bs if windowed and shared_len[i] > 0 else None
-                self._release_range(g, int(slots[i]), int(live[i, g]), int(keep[i, g]), evict_from)
+        # A windowed group's blocks from the shared length on leave the index as they are released.
+        shared_len = self.shared_len[slots][rows_at] if caching else np.zeros(len(at), np.int64)
+        windowed = self.windowed[groups_at]
+        evict_from = np.where(windowed & (shared_len > 0), shared_len // rules.block_size[groups_at], -1)
+        self._release_ranges(np.concatenate([ranges, evict_from[:, None]], axis=1)[releasing[rows_at]])
         self.first_live[slots[releasing]] = keep[releasing]
         copies = {(slots.tolist().index(s), g): c for (s, g), c in start_copies.items()}
         cow = {i: groups for i, groups in cow.items() if ok[i]}
@@ -347,17 +327,6 @@ class HostState:
         for i in np.flatnonzero(hits).tolist():
             hit_ok[i], claims[i], tails[i], taken_free[i] = self._plan_claim(int(slots[i]), int(hits[i]), claimed)
         return hit_ok, claims, tails, taken_free, claimed
-
-    def _count_freed(self, slots, ranges, live, keep, claimed) -> np.ndarray:
-        """int[R]: blocks the rows' releases [live, keep) of `ranges` free: held by the row alone (the null
-        block's count is 0), less those another row claims."""
-        freed, ref = np.zeros(len(slots), np.int64), self.ref
-        for i, g in ranges:
-            blocks = self.tables[g, slots[i], live[i, g] : keep[i, g]].tolist()
-            freed[i] += list(map(ref.__getitem__, blocks)).count(1)
-            if claimed:
-                freed[i] -= sum(1 for b in filter(claimed.__contains__, blocks) if ref[b] == 1)
-        return freed
 
     def _take_blocks(self, slots, ok, need, first_new) -> None:
         """Pops blocks for entries [first_new, first_new + need) of the ok rows, row by row, group by group."""
@@ -400,23 +369,14 @@ class HostState:
                     found.append(block)
         # A claim that misses a block is refused, but its blocks still count as claimed in this call.
         found = list(filter(None, found))
-        ref = self.ref
-        free = [block for block in found if not ref[block]]
+        free = [block for block, count in zip(found, self.ref[found].tolist()) if not count]
         taken = len(free) - sum(map(claimed.__contains__, free)) if claimed else len(free)
         claimed.update(found)
         return valid, runs, tail_src, taken
 
     def _apply_claim(self, s: int, h: int, runs, tail_src, cow) -> None:
-        ref, tail = self.ref, self._tail
         for g, first, blocks in runs:
-            for block in blocks:
-                if ref[block] == 0:
-                    if block in tail:
-                        del tail[block]
-                    else:
-                        self._head.remove(block)
-                    self.num_free -= 1
-                ref[block] += 1
+            self.num_free -= pool.claim(np.asarray(blocks, np.int32), self.nxt, self.prv, self.ref)
             self.tables[g, s, first : first + len(blocks)] = blocks
         for g, block in tail_src.items():
             self._touch(block)  # a copy's source pin, or the table entry holding it
@@ -445,34 +405,37 @@ class HostState:
                     for block in self.tables[g, s, w // self.block_size[g] :].tolist():
                         if block != NULL_BLOCK and self.group_of[block] >= 0:
                             self._uncache(block)
-        for s in slots:
-            n = int(self.num_computed[s])
-            for g in range(self.num_groups):  # entries past the count are never held
-                self._release_range(g, s, int(self.first_live[s, g]), -(-n // self.block_size[g]))
-            self.first_live[s] = 0
-            self.num_computed[s] = 0
-            if self.prefix is not None:
+        # Slot by slot, group by group; entries past the count are never held.
+        rows = np.asarray(slots, np.int64)
+        hi = -(-self.num_computed[rows][:, None] // self.group_rules.block_size)
+        groups = np.broadcast_to(np.arange(self.num_groups), hi.shape)
+        lo, slot_of = self.first_live[rows], np.broadcast_to(rows[:, None], hi.shape)
+        self._release_ranges(np.stack([groups, slot_of, lo, hi, np.full(hi.shape, -1)], axis=2))
+        self.first_live[rows] = 0
+        self.num_computed[rows] = 0
+        if self.prefix is not None:
+            for s in slots:
                 self.hashes[s] = []
-                self.shared_len[s] = 0
-                self.prompt_len[s] = 0
-                self.num_cached[s] = 0
+            self.shared_len[rows] = self.prompt_len[rows] = self.num_cached[rows] = 0
 
     def roll_back(self, slots: list[int], num_rejected: list[int]) -> None:
         """Speculative decoding: drops each slot's last `num_rejected` tokens and releases the entries past
         the verified ones, tail first."""
+        ranges = []
         for s, r in zip(slots, num_rejected):
             if r == 0:
                 continue
             n, end = self.num_computed[s] - r, self.num_computed[s]
             for g in range(self.num_groups):
                 bs = self.block_size[g]
-                self._release_range(g, s, max(self.first_live[s][g], -(-n // bs)), -(-end // bs))
+                ranges.append((g, s, max(self.first_live[s][g], -(-n // bs)), -(-end // bs), -1))
             self.num_computed[s] = n
+        self._release_ranges(ranges)
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _uncache(self, block: int) -> None:
         """Takes a cached block out of the index."""
-        g, key = self.group_of[block], self.key_of[block]
+        g, key = int(self.group_of[block]), self.key_of[block]
         self.group_of[block] = -1
         del self.fields[g][key]
         held = self.entries[key] - 1
@@ -528,10 +491,9 @@ class HostState:
                 if old == NULL_BLOCK or old == block or old in self._cached_this_pass:
                     continue
                 self._uncache(old)
-                if self.ref[old] == 0:
-                    self._unqueue(old)
-                    self._head.append(old)
-                    self.num_free += 1
+                if self.ref[old] == 0:  # a free block no longer cached: to the front
+                    pool.unlink(self.nxt, self.prv, old)
+                    pool.push_front(self.nxt, self.prv, old)
         held = entries.get(key, 0)
         if not held:
             bucket = key & (self.num_buckets - 1)
@@ -594,7 +556,7 @@ class HostState:
         copies = {}
         for s, g in moves:
             tail, bs = self._tail_of(s), self.block_size[g]
-            src, dst = int(self.tables[g, s, tail // bs]), self._pop_many(1)[0]
+            src, dst = int(self.tables[g, s, tail // bs]), int(self._pop_many(1)[0])
             self.tables[g, s, tail // bs] = dst
             self.ref[dst] += 1
             self.copies[dst] = src
@@ -738,6 +700,7 @@ class HostState:
         attention = self.group_rules.kind != MAMBA
         end = np.where(attention, end, 0)
         block_size, tables, cache = self.block_size, self.tables, self._cache
+        indexed_blocks, indexed_groups = [], []  # the fast path's new fields, marked cached after the loop
         for i in np.flatnonzero(((end > start) & attention).any(axis=1)).tolist():
             s, hashes = int(slots[i]), self.hashes[int(slots[i])]
             # Groups with the same unit ranges are walked together, one entry per unit.
@@ -749,7 +712,7 @@ class HostState:
                 (((first, stop, step), groups),) = ranges.items()
                 lo = (first + 1) // step - 1
                 columns = [tables[g, s, lo : lo + len(range(first, stop, step))].tolist() for g in groups]
-                entries, index, group_of, key_of = self.entries, self.fields, self.group_of, self.key_of
+                entries, index, key_of = self.entries, self.fields, self.key_of
                 bucket_used, mask, ways, this_pass = (
                     self.bucket_used,
                     self.num_buckets - 1,
@@ -770,9 +733,10 @@ class HostState:
                     entries[key] = num_groups
                     for g, block in zip(groups, blocks):
                         index[g][key] = block
-                        group_of[block] = g
                         key_of[block] = key
                     this_pass.update(blocks)
+                    indexed_blocks += blocks
+                    indexed_groups += groups
                 continue
             by_unit: dict[int, dict[int, int]] = {}
             for (first, stop, step), groups in ranges.items():
@@ -787,4 +751,5 @@ class HostState:
                                 fields[g] = block
             for unit in sorted(by_unit):  # fields in group order, as a replacement frees old blocks in it
                 cache(hashes[unit], dict(sorted(by_unit[unit].items())), replace=True)
+        self.group_of[indexed_blocks] = indexed_groups
         self.num_cached[slots] = np.where(attention, np.maximum(start, end), self.num_cached[slots])

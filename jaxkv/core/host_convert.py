@@ -7,10 +7,10 @@ The host object (duck-typed; `jaxkv.core.host.HostState`) is `tests/model_refere
 faster structures:
 
     attribute     host                                  ManagerState
-    ref           list[int] N                           pool.ref_cnt
-    _head, _tail  list[int], OrderedDict[int, None]     free order = reversed(_head) + _tail (`pool.free_order`)
+    ref           int32[N]                              pool.ref_cnt
+    free_order()  list[int], first popped first         `pool.free_order` (set by `set_free_order`)
     num_free      int                                   pool.num_free_blocks
-    group_of      list[int] N (−1: not cached)          pool.block_group
+    group_of      int32[N] (−1: not cached)             pool.block_group
     tables        int32[G, S, M]                        block_tables
     first_live    int64[S, G]                           first_live_idx [G, S]
     num_computed  int64[S]                              num_computed
@@ -28,9 +28,6 @@ Host objects also carry `cfg`, `prefix` (a PrefixCacheConfig or None) and `max_n
 """
 
 from __future__ import annotations
-
-import collections
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +61,8 @@ def to_state(host) -> ManagerState:
     tables = np.asarray(host.tables, np.int32)
     if tables.shape != shape:
         raise ValueError(f"host tables have shape {tables.shape}; the config and max_num_seqs give {shape}")
-    order = np.fromiter(itertools.chain(reversed(host._head), host._tail), np.int32)
+    order = np.asarray(host.free_order(), np.int32)
     num_free = len(order)
-    if host.num_free != num_free:
-        raise ValueError(f"host.num_free={host.num_free} but _head and _tail hold {num_free} blocks")
     ring = np.zeros(2 * num_blocks, np.int32)
     ring[:num_free] = order
     queue_pos = np.full(num_blocks, -1, np.int32)
@@ -154,7 +149,7 @@ def load_state(host, state: ManagerState) -> None:
     """Fills the host object's state attributes from `state` (device or host arrays); one transfer.
 
     `host.cfg`, `host.prefix` and `host.max_num_seqs` must describe `state` (ValueError otherwise). The free
-    order goes whole into `_tail` (`_head` empty). `key_of` is 0 where a block is not cached.
+    order is linked as the ring holds it. `key_of` is 0 where a block is not cached.
     """
     cfg = host.cfg
     shape = _shape(cfg, host.max_num_seqs)
@@ -170,12 +165,9 @@ def load_state(host, state: ManagerState) -> None:
     state = jax.device_get(state)
     pool = state.pool
     block_group = np.asarray(pool.block_group)
-    host.ref = np.asarray(pool.ref_cnt).tolist()
-    order = free_order(pool).tolist()
-    host._head = []
-    host._tail = collections.OrderedDict.fromkeys(order)
-    host.num_free = len(order)
-    host.group_of = block_group.tolist()
+    host.ref = np.array(pool.ref_cnt, np.int32)
+    host.group_of = np.array(block_group, np.int32)
+    host.set_free_order(free_order(pool))
     host.tables = np.array(state.block_tables, np.int32)
     host.first_live = np.asarray(state.first_live_idx, np.int64).T.copy()
     host.num_computed = np.asarray(state.num_computed, np.int64).copy()

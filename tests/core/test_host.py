@@ -11,6 +11,7 @@ from model_reference import ModelState
 from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv.core.host import HostState, ints_to_keys, keys_to_ints
+from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.hashing import prompt_unit_hashes
 from jaxkv.prefix.state import PrefixCacheConfig
 
@@ -31,10 +32,13 @@ def assert_host_matches(host: HostState, model: ModelState) -> None:
     np.testing.assert_array_equal(host.tables, np.asarray(model.tables), err_msg="block tables")
     assert host.num_computed.tolist() == model.num_computed, "num_computed"
     assert host.first_live.T.tolist() == model.first_live, "first_live"
-    assert host.ref == model.ref_cnt, "ref_cnt"
-    assert list(reversed(host._head)) + list(host._tail) == model.order, "free order"
+    assert host.ref.tolist() == model.ref_cnt, "ref_cnt"
+    order = host.free_order()
+    assert order == model.order, "free order"
+    assert host.prv[order].tolist() == [NULL_BLOCK, *order][:-1], "backward links"
+    assert host.prv[NULL_BLOCK] == [NULL_BLOCK, *order][-1], "the last free block"
     assert host.num_free == model.num_free_blocks
-    assert {b: g for b, g in enumerate(host.group_of) if g >= 0} == model.cached_group, "cached groups"
+    assert {b: g for b, g in enumerate(host.group_of.tolist()) if g >= 0} == model.cached_group, "cached groups"
     if model.prefix is None:
         return
     entries = {

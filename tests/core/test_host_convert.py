@@ -1,8 +1,6 @@
 """`jaxkv.core.host_convert`: a ManagerState made by real traffic goes to a host object and back unchanged in
 meaning, and the jitted transitions carry on from the converted state exactly as from the original."""
 
-import collections
-
 import chex
 import jax
 import numpy as np
@@ -48,9 +46,9 @@ def key_words(key: int) -> tuple[int, ...]:
 def model_of(host) -> ModelState:
     """The host's attributes written into the reference model, so `assert_state_matches` compares a state with them."""
     model = ModelState(host.cfg, host.max_num_seqs, host.prefix)
-    model.ref_cnt = list(host.ref)
-    model.order = list(reversed(host._head)) + list(host._tail)
-    model.cached_group = {b: g for b, g in enumerate(host.group_of) if g != NOT_CACHED}
+    model.ref_cnt = host.ref.tolist()
+    model.order = host.free_order()
+    model.cached_group = {b: g for b, g in enumerate(host.group_of.tolist()) if g != NOT_CACHED}
     model.tables = np.asarray(host.tables)
     model.first_live = np.asarray(host.first_live).T.tolist()
     model.num_computed = list(host.num_computed)
@@ -69,8 +67,8 @@ def model_of(host) -> ModelState:
 def assert_host_matches(host, state):
     """The host attributes `assert_state_matches` leaves out: types, the free count, keys word for word."""
     state = jax.device_get(state)
-    assert isinstance(host._head, list) and isinstance(host._tail, collections.OrderedDict)
-    assert host.num_free == len(host._head) + len(host._tail) == int(state.pool.num_free_blocks)
+    assert host.ref.dtype == host.group_of.dtype == np.int32
+    assert host.num_free == len(host.free_order()) == int(state.pool.num_free_blocks)
     assert isinstance(host.tables, np.ndarray) and host.tables.dtype == np.int32
     assert len(host.first_live) == host.max_num_seqs and len(host.ref) == len(host.group_of) == host.cfg.num_blocks
     if host.prefix is None:
@@ -202,15 +200,15 @@ def test_an_empty_state_converts_to_init_state_exactly():
     chex.assert_trees_all_equal_dtypes(to_state(host), state)
 
 
-def test_free_order_reads_head_reversed_then_tail():
+def test_free_order_is_the_linked_order():
     cfg, _ = CASES["prefix"]
     prefix = PrefixCacheConfig.for_config(cfg)
     host = HostState(cfg, 2, prefix)
     load_state(host, init_state(cfg, 2, prefix))
-    host._head = [3, 5]  # 5 was pushed last: it is reused first
-    host._tail = collections.OrderedDict.fromkeys(b for b in range(1, cfg.num_blocks) if b not in (3, 5))
+    host.set_free_order([5, 3, *(b for b in range(1, cfg.num_blocks) if b not in (3, 5))])
     state = to_state(host)
     assert free_order(state.pool).tolist()[:3] == [5, 3, 1]
+    assert host.free_order()[:3] == [5, 3, 1] and host.num_free == cfg.num_blocks - 1
     jaxkv.check_invariants(cfg, state, prefix)
 
 

@@ -1,0 +1,166 @@
+"""The host backend's block pool: reference counts, cached groups and the free order as arrays, with the loops
+over a call's blocks compiled by numba (a step pops, releases and counts hundreds of blocks; as Python
+statements that was most of a step's bookkeeping, compiled it is a few microseconds).
+
+Dimensions: N blocks (block 0, the null block, included), K blocks passed to one call, R ranges.
+
+    ref       int32[N]   table entries holding each block; 0 = free
+    group_of  int32[N]   group a block is cached for; -1: not cached
+    nxt, prv  int32[N]   the free order as a doubly linked list through the free blocks, block 0 its sentinel
+                         (never free): `nxt[0]` is popped first, `prv[0]` is the last
+
+A released block that is not cached (or is released with `evict_first`) goes to the front, so it is reused
+first; a released cached block goes to the back, so the least recently freed cached block is evicted first;
+a hit on a free block unlinks it from the middle. The order equals `jaxkv.core.pool`'s ring without its stale
+entries.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from jaxkv.planner.specs import NULL_BLOCK
+
+
+def _jit(signature: str):
+    """Compiled for one signature when this module is imported (from numba's cache after the first time), so
+    that no call pays a compilation; the arrays are C-contiguous (`::1`) and of exactly these dtypes."""
+    return numba.njit(signature, cache=True, nogil=True)
+
+
+_ARRAYS = "int32[::1], int32[::1], int32[::1], int32[::1]"  # nxt, prv, ref, group_of
+
+
+def new_pool(num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(ref, group_of, nxt, prv) of a pool whose blocks 1..N-1 are all free, in id order."""
+    ref = np.zeros(num_blocks, np.int32)
+    group_of = np.full(num_blocks, -1, np.int32)
+    nxt, prv = np.zeros(num_blocks, np.int32), np.zeros(num_blocks, np.int32)
+    set_order(nxt, prv, np.arange(1, num_blocks, dtype=np.int32))
+    return ref, group_of, nxt, prv
+
+
+def set_order(nxt: np.ndarray, prv: np.ndarray, order: np.ndarray) -> None:
+    """Links the free blocks `order` (int[F], first popped first) in that order."""
+    chain = np.concatenate([[NULL_BLOCK], np.asarray(order, np.int32), [NULL_BLOCK]]).astype(np.int32)
+    nxt[chain[:-1]] = chain[1:]
+    prv[chain[1:]] = chain[:-1]
+
+
+@_jit("int32[::1](int32[::1], int64)")
+def free_order(nxt, num_free):
+    """int32[F]: the free blocks, first popped first."""
+    out = np.empty(num_free, np.int32)
+    b = nxt[0]
+    for i in range(num_free):
+        out[i] = b
+        b = nxt[b]
+    return out
+
+
+@_jit("void(int32[::1], int32[::1], int64)")
+def unlink(nxt, prv, b):
+    p, q = prv[b], nxt[b]
+    nxt[p] = q
+    prv[q] = p
+
+
+@_jit("void(int32[::1], int32[::1], int64)")
+def push_front(nxt, prv, b):
+    h = nxt[0]
+    nxt[0] = b
+    prv[b] = 0
+    nxt[b] = h
+    prv[h] = b
+
+
+@_jit("void(int32[::1], int32[::1], int64)")
+def _push_back(nxt, prv, b):
+    t = prv[0]
+    prv[0] = b
+    nxt[b] = 0
+    prv[b] = t
+    nxt[t] = b
+
+
+@_jit(f"UniTuple(int32[::1], 2)(int64, {_ARRAYS})")
+def pop(k, nxt, prv, ref, group_of):
+    """Takes the first k free blocks (count 1, uncached). Returns (blocks int32[k], the group each was cached
+    for int32[k], -1: none): the caller takes those out of its index."""
+    blocks, groups = np.empty(k, np.int32), np.empty(k, np.int32)
+    for i in range(k):
+        b = nxt[0]
+        unlink(nxt, prv, b)
+        ref[b] = 1
+        blocks[i], groups[i] = b, group_of[b]
+        group_of[b] = -1
+    return blocks, groups
+
+
+@_jit(f"int64(int64, boolean, {_ARRAYS})")
+def _release_one(b, evict_first, nxt, prv, ref, group_of):
+    if b == NULL_BLOCK:
+        return 0
+    ref[b] -= 1
+    if ref[b]:
+        return 0
+    if group_of[b] >= 0 and not evict_first:
+        _push_back(nxt, prv, b)
+    else:
+        push_front(nxt, prv, b)
+    return 1
+
+
+@_jit(f"int64(int32[::1], boolean, {_ARRAYS})")
+def release(blocks, evict_first, nxt, prv, ref, group_of):
+    """Releases int[K] blocks in order (null entries skipped); returns how many became free."""
+    freed = 0
+    for i in range(blocks.shape[0]):
+        freed += _release_one(blocks[i], evict_first, nxt, prv, ref, group_of)
+    return freed
+
+
+@_jit(f"int64(int32[:, :, ::1], int64[:, :], {_ARRAYS})")
+def release_ranges(tables, ranges, nxt, prv, ref, group_of):
+    """Releases table entries, range by range: int64[R, 5] rows (group, slot, lo, hi, evict_from) release
+    `tables[group, slot, lo:hi]`, last entry first, and null them; entries from `evict_from` on (-1: none) go to
+    the front even where cached, before the others. Returns how many blocks became free."""
+    freed = 0
+    for r in range(ranges.shape[0]):
+        g, s, lo, hi, evict_from = ranges[r, 0], ranges[r, 1], ranges[r, 2], ranges[r, 3], ranges[r, 4]
+        cut = hi if evict_from < 0 else min(max(evict_from, lo), hi)
+        for j in range(hi - 1, cut - 1, -1):
+            freed += _release_one(tables[g, s, j], True, nxt, prv, ref, group_of)
+        for j in range(cut - 1, lo - 1, -1):
+            freed += _release_one(tables[g, s, j], False, nxt, prv, ref, group_of)
+        tables[g, s, lo:hi] = NULL_BLOCK
+    return freed
+
+
+@_jit("int64(int32[::1], int32[::1], int32[::1], int32[::1])")
+def claim(blocks, nxt, prv, ref):
+    """Adds a holder to each of int[K] blocks in order (a free one leaves the free order); returns how many were
+    free."""
+    taken = 0
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if ref[b] == 0:
+            unlink(nxt, prv, b)
+            taken += 1
+        ref[b] += 1
+    return taken
+
+
+@_jit("int64[::1](int32[:, :, ::1], int64[:, :], int32[::1], boolean[::1])")
+def count_sole(tables, ranges, ref, claimed):
+    """int64[R]: per (group, slot, lo, hi) row of `ranges`, the entries of `tables[group, slot, lo:hi]` held by
+    that entry alone (count 1) and not in `claimed` (bool[N])."""
+    out = np.zeros(ranges.shape[0], np.int64)
+    for r in range(ranges.shape[0]):
+        g, s = ranges[r, 0], ranges[r, 1]
+        for j in range(ranges[r, 2], ranges[r, 3]):
+            b = tables[g, s, j]
+            if ref[b] == 1 and not claimed[b]:
+                out[r] += 1
+    return out
