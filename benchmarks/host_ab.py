@@ -4,8 +4,8 @@ managers, the working tree's jaxkv (A) and a git revision's (B), alternating whi
 
 This VM's speed drifts by up to ±30% between runs, which hides a 10% change in single runs; timing both
 managers call by call, in one process, cancels the drift. The B package is the revision's `jaxkv/` copied
-as `jaxkv_base` (imports rewritten). Both managers get the same requests, keys (A's `UnitHasher` class, one
-instance each) and calls; their results are compared after every call (AssertionError if they differ), so
+as `jaxkv_base` (imports rewritten). Both managers get the same requests, keys (each its own package's
+`UnitHasher`) and calls; their results are compared after every call (AssertionError if they differ), so
 the run also checks that A decides as B does.
 
     python benchmarks/host_ab.py --workload /tmp/workload.json --num-blocks 32768 --base HEAD
@@ -54,8 +54,8 @@ def load_revision(rev: str, into: Path) -> types.ModuleType:
 class PairedManager:
     """Forwards every call to manager A and manager B, timing each into `seconds[tag][method]`."""
 
-    def __init__(self, a, b):
-        self.a, self.b, self._b_first = a, b, False
+    def __init__(self, a, b, hasher_b):
+        self.a, self.b, self.hasher_b, self._b_first = a, b, hasher_b, False
         self.seconds = {"A": defaultdict(float), "B": defaultdict(float)}
         self.calls = defaultdict(int)
 
@@ -66,8 +66,8 @@ class PairedManager:
 
         def call(*args, **kw):
             kw_b = dict(kw)
-            if kw.get("unit_hasher") is not None:  # B's own hasher (of A's class: the same keys)
-                kw_b["unit_hasher"] = type(kw["unit_hasher"])(self.b.prefix_config.unit)
+            if kw.get("unit_hasher") is not None:  # B's own hasher (the same keys)
+                kw_b["unit_hasher"] = self.hasher_b(self.b.prefix_config.unit)
                 kw_b["unit_hasher"].extend(args[1])
             runs = [("A", method_a, kw), ("B", method_b, kw_b)]
             self._b_first = not self._b_first
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             finally:
                 for name, value in zip(names, saved):
                     setattr(sw, name, value)
-            pairs.append(PairedManager(make_a(cfg, **kw), base_manager(cfg_b, **kw)))
+            pairs.append(PairedManager(make_a(cfg, **kw), base_manager(cfg_b, **kw), base.UnitHasher))
             return pairs[-1]
 
         sw.KVCacheManager = paired

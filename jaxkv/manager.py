@@ -367,7 +367,7 @@ class KVCacheManager:
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
             unit_hasher.extend(token_ids[unit_hasher.num_tokens :])
-            self._host.hashes[slot] = unit_hasher.key_ints  # the hasher extends it as units complete
+            self._host.set_keys(slot, digests_to_keys(unit_hasher.digests))
             self._hashers[slot] = unit_hasher
             self._num_keys[slot] = unit_hasher.num_units
             self._num_hashed_tokens[slot] = len(token_ids)
@@ -429,9 +429,9 @@ class KVCacheManager:
         hits = np.zeros(len(slots), np.int64)
         host, stats = self._held_host(), self.prefix_stats
         for i, slot in enumerate(slots.tolist()):
-            keys, num_tokens = host.hashes[slot], int(self._num_tokens[slot])
+            keys, num_tokens = host.unit_keys(slot), int(self._num_tokens[slot])
             hits[i], self._shared_len[slot] = hit, shared = host.lookup(keys, num_tokens, self.use_eagle)
-            if keys:
+            if len(keys):
                 stats["lookups"] += 1
                 stats["lookup_tokens"] += num_tokens
                 stats["hit_tokens"] += hit
@@ -473,8 +473,9 @@ class KVCacheManager:
         hasher = self._hashers[slot]
         new_keys = hasher.extend(self._token_ids[slot][self._num_hashed_tokens[slot] :])
         self._num_hashed_tokens[slot] = self._num_tokens[slot]
-        if self._host is not None:  # the host state's keys are the hasher's `key_ints`
+        if self._host is not None:
             self._num_keys[slot] = hasher.num_units
+            self._host.set_keys(slot, new_keys, first=hasher.num_units - len(new_keys))
             return
         first = len(self._keys[slot])
         self._keys[slot] = np.concatenate([self._keys[slot], new_keys])
@@ -1055,9 +1056,9 @@ class KVCacheManager:
         else:
             load_state(self._host, state)
             self._host_taken = False
-            for slot in self._slot_of.values():  # the hashers extend the host state's keys again
+            for slot in self._slot_of.values():  # the hashers' keys
                 if self._hashers[slot] is not None:
-                    self._host.hashes[slot] = self._hashers[slot].key_ints
+                    self._host.set_keys(slot, digests_to_keys(self._hashers[slot].digests))
         num_computed, first_live, num_free = jax.device_get(
             (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
         )

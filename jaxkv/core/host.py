@@ -7,24 +7,26 @@ of a compiled program (rows without block work only advance their counts; see `a
 `jaxkv.core.host_convert.to_state` gives the equal `ManagerState` (for jitted loops),
 `load_state` takes one back.
 
-Structures (N blocks, S slots, G groups, M table entries per request):
-* the pool: `ref`, `group_of` (cached group, -1) and the free order (`nxt`, `prv`: a linked list), int32[N]
-  arrays updated by the compiled loops of `jaxkv.core.host_pool`; `key_of` (the cached block's key): a list of N;
+Structures (N blocks, S slots, G groups, M table entries per request, U unit keys per slot): numpy
+arrays, updated in place; the loops over a call's blocks are compiled with numba:
+* the pool (`jaxkv.core.host_pool`): `ref`, `group_of` (cached group, -1) and the free order (`nxt`,
+  `prv`: a linked list);
 * block tables: int32[G, S, M] (`tables`), written by slices;
-* the index: per group a dict from a key to its block (`fields`), and per key the groups that
-  hold it (`entries`), with the index's bucket capacity (`ways` keys per bucket,
-  `bucket_used`), so that it holds exactly what the device's does;
-* keys are 128-bit ints, `w0 | w1 << 32 | w2 << 64 | w3 << 96` of the uint32 words.
+* the index (`jaxkv.core.host_index`): the device index's `slots` and `block_slot`, so that it holds
+  exactly what the device's does, and each slot's unit keys (`keys`, uint32[S, U, 4]; `num_hashed`);
+* `index` shows the entries with keys as 128-bit ints, `w0 | w1 << 32 | w2 << 64 | w3 << 96` of the
+  uint32 words.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from itertools import takewhile
 
 import numpy as np
 
+from jaxkv.core import host_index as index
 from jaxkv.core import host_pool as pool
+from jaxkv.core.pool import HASH_WORDS
 from jaxkv.core.state import (
     CHUNKED_LOCAL,
     MAMBA,
@@ -36,7 +38,7 @@ from jaxkv.core.state import (
 )
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK
-from jaxkv.prefix.index import num_buckets_for
+from jaxkv.prefix.index import COUNT_WORD, FIELDS, NOT_INDEXED, num_buckets_for
 from jaxkv.prefix.rules import HitRule, hit_blocks_reference
 from jaxkv.prefix.state import PrefixCacheConfig, num_index_entries, partial_groups
 
@@ -107,18 +109,19 @@ class HostState:
             self.unit = prefix.unit
             self.ways = prefix.ways
             self.num_buckets = num_buckets_for(num_index_entries(cfg), prefix.ways)
-            self.bucket_used = [0] * self.num_buckets
-            self.key_of = [0] * n
-            self.fields: list[dict[int, int]] = [{} for _ in groups]  # per group: key -> block
-            self.entries: dict[int, int] = {}  # key -> groups holding it
-            self.hashes: list[list[int]] = [[] for _ in range(max_num_seqs)]
+            self.slots = np.zeros((self.num_buckets * self.ways, FIELDS + num_groups), np.uint32)
+            self.block_slot = np.full(n, NOT_INDEXED, np.int32)
+            self.cached_in_pass = np.zeros(n, np.int32)
+            self.num_passes = 0  # caching passes so far: the current one's id
+            self.keys = np.zeros((max_num_seqs, prefix.num_units(cfg), HASH_WORDS), np.uint32)
+            self.num_hashed = np.zeros(max_num_seqs, np.int64)
             self.num_cached = np.zeros((max_num_seqs, num_groups), np.int64)
             self.shared_len = np.zeros(max_num_seqs, np.int64)
             self.prompt_len = np.zeros(max_num_seqs, np.int64)
             self.copies: dict[int, int] = {}  # pending copies: destination -> source (both pinned)
             self.partial = list(partial_groups(cfg, prefix))
             self.rules = [HitRule.for_spec(g.spec) for g in groups]
-            self._cached_this_pass: set[int] = set()  # blocks indexed by the current caching pass
+            self.step = self.group_rules.block_size.astype(np.int64) // self.unit  # units per block
 
     # ---- pool ----------------------------------------------------------------------------------
     def free_order(self) -> list[int]:
@@ -132,21 +135,10 @@ class HostState:
 
     def _pop_many(self, k: int) -> np.ndarray:
         """The first k free blocks, taken (count 1, evicted from the index if cached)."""
-        blocks, groups = pool.pop(k, self.nxt, self.prv, self.ref, self.group_of)
+        blocks = pool.pop(k, self.nxt, self.prv, self.ref, self.group_of)
         self.num_free -= k
-        if self.prefix is not None:  # popped cached blocks leave the index (`_uncache`, inlined)
-            fields, entries, key_of, bucket_used = self.fields, self.entries, self.key_of, self.bucket_used
-            mask = self.num_buckets - 1
-            evicted = np.flatnonzero(groups >= 0)
-            for block, g in zip(blocks[evicted].tolist(), groups[evicted].tolist()):
-                key = key_of[block]
-                del fields[g][key]
-                held = entries[key] - 1
-                if held:
-                    entries[key] = held
-                else:
-                    del entries[key]
-                    bucket_used[key & mask] -= 1
+        if self.prefix is not None:
+            index.evict(blocks, self.slots, self.block_slot)
         return blocks
 
     def _touch(self, block: int) -> None:
@@ -210,8 +202,9 @@ class HostState:
         if num_hit_tokens is not None:
             work |= np.asarray(num_hit_tokens) > 0
         if self.prefix is not None:
-            num_hashed = np.fromiter(map(len, map(self.hashes.__getitem__, slots.tolist())), np.int64, len(slots))
-            end = np.minimum(num_hashed * self.unit, n + k - (0 if num_lookahead_tokens is None else parts[4]))
+            end = np.minimum(
+                self.num_hashed[slots] * self.unit, n + k - (0 if num_lookahead_tokens is None else parts[4])
+            )
             work |= ((end[:, None] // rules.block_size > self.num_cached[slots]) & (rules.kind != MAMBA)).any(axis=1)
         rows = np.flatnonzero(work)
         ok_rows, num_hit, copies = np.ones(0, bool), 0, {}
@@ -323,7 +316,7 @@ class HostState:
         """The rows' tentative claims, in row order: hit_ok bool[R], {row: runs}, {row: tail sources},
         taken_free int[R] and the blocks claimed (`_plan_claim`)."""
         hit_ok, taken_free = np.zeros(len(slots), bool), np.zeros(len(slots), np.int64)
-        claims, tails, claimed = {}, {}, Counter()
+        claims, tails, claimed = {}, {}, set()
         for i in np.flatnonzero(hits).tolist():
             hit_ok[i], claims[i], tails[i], taken_free[i] = self._plan_claim(int(slots[i]), int(hits[i]), claimed)
         return hit_ok, claims, tails, taken_free, claimed
@@ -338,45 +331,43 @@ class HostState:
             offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
             self.tables[rows[:, 1], slots[rows[:, 0]], first_new[rows[:, 0], rows[:, 1]] + offsets] = blocks
 
-    def _plan_claim(self, s: int, h: int, claimed: Counter):
+    def _plan_claim(self, s: int, h: int, claimed: set):
         """A row's tentative claim of an h-token hit: (valid, [(group, first index, blocks)], {group: source of
-        a hit inside a block}, free blocks it takes); `claimed` counts this call's claims per block."""
-        u, hashes, bs_of, runs, tail_src = self.unit, self.hashes[s], self.block_size, [], {}
+        a hit inside a block}, free blocks it takes); `claimed`: the blocks this call's claims name so far."""
+        u, bs_of, runs, tail_src = self.unit, self.block_size, [], {}
         ok_h = (
             self.num_computed[s] == 0
             and h % u == 0
-            and h <= len(hashes) * u
+            and h <= self.num_hashed[s] * u
             and all(h % bs_of[g] == 0 or g in self.partial for g in range(self.num_groups))
         )
         if not ok_h:
             return False, runs, tail_src, 0
-        valid, found = True, []
+        indexed = index.probe(self.slots, self.ways, self.keys[s, : h // u])  # [unit, group]
+        found = []
         for g in range(self.num_groups):
             step, first, last = bs_of[g] // u, self._keep_from(g, h), h // bs_of[g]
             if last > first:
-                blocks = list(map(self.fields[g].get, hashes[(first + 1) * step - 1 : last * step : step]))
-                if None in blocks:
-                    valid = False
-                    blocks = [NULL_BLOCK if b is None else b for b in blocks]
+                blocks = indexed[(first + 1) * step - 1 : last * step : step, g]
                 runs.append((g, first, blocks))
-                found += blocks
+                found.append(blocks)
         for g in self.partial:
             if h % bs_of[g]:
-                block = self.fields[g].get(hashes[h // u - 1], NULL_BLOCK)
-                valid = valid and block != NULL_BLOCK
-                if block != NULL_BLOCK:
-                    tail_src[g] = block
-                    found.append(block)
+                tail_src[g] = int(indexed[h // u - 1, g])
+                found.append(indexed[h // u - 1 : h // u, g])
+        found = np.concatenate(found) if found else np.zeros(0, np.int32)
+        valid = bool(found.all())
         # A claim that misses a block is refused, but its blocks still count as claimed in this call.
-        found = list(filter(None, found))
-        free = [block for block, count in zip(found, self.ref[found].tolist()) if not count]
+        found = found[found != NULL_BLOCK]
+        free = found[self.ref[found] == 0].tolist()
         taken = len(free) - sum(map(claimed.__contains__, free)) if claimed else len(free)
-        claimed.update(found)
+        claimed.update(found.tolist())
+        tail_src = {g: block for g, block in tail_src.items() if block != NULL_BLOCK}
         return valid, runs, tail_src, taken
 
     def _apply_claim(self, s: int, h: int, runs, tail_src, cow) -> None:
         for g, first, blocks in runs:
-            self.num_free -= pool.claim(np.asarray(blocks, np.int32), self.nxt, self.prv, self.ref)
+            self.num_free -= pool.claim(np.ascontiguousarray(blocks, np.int32), self.nxt, self.prv, self.ref)
             self.tables[g, s, first : first + len(blocks)] = blocks
         for g, block in tail_src.items():
             self._touch(block)  # a copy's source pin, or the table entry holding it
@@ -414,8 +405,7 @@ class HostState:
         self.first_live[rows] = 0
         self.num_computed[rows] = 0
         if self.prefix is not None:
-            for s in slots:
-                self.hashes[s] = []
+            self.num_hashed[rows] = 0
             self.shared_len[rows] = self.prompt_len[rows] = self.num_cached[rows] = 0
 
     def roll_back(self, slots: list[int], num_rejected: list[int]) -> None:
@@ -435,80 +425,47 @@ class HostState:
     # ---- prefix cache --------------------------------------------------------------------------
     def _uncache(self, block: int) -> None:
         """Takes a cached block out of the index."""
-        g, key = int(self.group_of[block]), self.key_of[block]
-        self.group_of[block] = -1
-        del self.fields[g][key]
-        held = self.entries[key] - 1
-        if held:
-            self.entries[key] = held
-        else:
-            del self.entries[key]
-            self.bucket_used[key & (self.num_buckets - 1)] -= 1
+        index.uncache(block, self.slots, self.block_slot, self.group_of)
+
+    def set_keys(self, slot: int, keys: np.ndarray, first: int = 0) -> None:
+        """The slot's unit keys from unit `first` on: uint32[U, 4] (`UnitHasher.extend`'s)."""
+        end = first + len(keys)
+        if end > self.keys.shape[1]:
+            raise ValueError(f"slot {slot} would have {end} unit keys; the state holds {self.keys.shape[1]} per slot")
+        self.keys[slot, first:end] = keys
+        self.num_hashed[slot] = end
+
+    def unit_keys(self, slot: int) -> np.ndarray:
+        """uint32[U, 4]: the slot's unit keys."""
+        return self.keys[slot, : self.num_hashed[slot]]
 
     @property
     def index(self) -> dict[int, list[int]]:
-        """The index entries: key -> one block per group (NULL_BLOCK: none)."""
-        out: dict[int, list[int]] = {}
-        for g, fields in enumerate(self.fields):
-            for key, block in fields.items():
-                out.setdefault(key, [NULL_BLOCK] * self.num_groups)[g] = block
-        return out
+        """The index entries: key (a 128-bit int) -> one block per group (NULL_BLOCK: none)."""
+        held = self.slots[self.slots[:, COUNT_WORD] != 0]
+        return dict(zip(keys_to_ints(held[:, :HASH_WORDS]), held[:, FIELDS:].astype(np.int64).tolist()))
 
     @index.setter
     def index(self, entries: dict[int, list[int]]) -> None:
-        self.fields = [{} for _ in range(self.num_groups)]
-        self.entries = {}
-        self.bucket_used = [0] * self.num_buckets
+        """Replaces the index: each entry takes the first free way of its key's bucket, and its blocks count as
+        cached. Raises ValueError where a bucket would hold more than `ways` entries."""
+        self.slots[:] = 0
+        self.block_slot[:] = NOT_INDEXED
+        self.group_of[:] = -1
         for key, blocks in entries.items():
-            for g, block in enumerate(blocks):
-                if block != NULL_BLOCK:
-                    self.fields[g][key] = block
-            self.entries[key] = sum(block != NULL_BLOCK for block in blocks)
-            self.bucket_used[key & (self.num_buckets - 1)] += 1
+            fields = {g: block for g, block in enumerate(blocks) if block != NULL_BLOCK}
+            word = ints_to_keys([key])[0]
+            self._cache(word, fields)
+            if fields and index.find(self.slots, self.ways, word) < 0:
+                bucket = int(word[0]) & (self.num_buckets - 1)
+                raise ValueError(f"index bucket {bucket} is full: it holds ways={self.ways} entries")
 
-    def _cache(self, key: int, fields: dict[int, int], replace: bool = False) -> None:
-        """Indexes the blocks `fields` {group: block} under `key` where the key's entry and bucket have room.
-        With `replace` (an allocation's caching pass), a block indexed under (key, group) before this pass
-        first leaves the index (a free one moves to the head)."""
-        entries, index = self.entries, self.fields
-        if key not in entries:  # a new entry: every block is placed if the bucket has room
-            bucket = key & (self.num_buckets - 1)
-            if not fields or self.bucket_used[bucket] >= self.ways:
-                return
-            self.bucket_used[bucket] += 1
-            entries[key] = len(fields)
-            group_of, key_of = self.group_of, self.key_of
-            for g, block in fields.items():
-                index[g][key] = block
-                group_of[block] = g
-                key_of[block] = key
-            if replace:
-                self._cached_this_pass.update(fields.values())
-            return
-        if replace:
-            for g, block in fields.items():
-                old = index[g].get(key, NULL_BLOCK)
-                if old == NULL_BLOCK or old == block or old in self._cached_this_pass:
-                    continue
-                self._uncache(old)
-                if self.ref[old] == 0:  # a free block no longer cached: to the front
-                    pool.unlink(self.nxt, self.prv, old)
-                    pool.push_front(self.nxt, self.prv, old)
-        held = entries.get(key, 0)
-        if not held:
-            bucket = key & (self.num_buckets - 1)
-            if not fields or self.bucket_used[bucket] >= self.ways:
-                return
-            self.bucket_used[bucket] += 1
-        for g, block in fields.items():
-            if key not in index[g]:
-                index[g][key] = block
-                held += 1
-                self.group_of[block] = g
-                self.key_of[block] = key
-                if replace:
-                    self._cached_this_pass.add(block)
-        entries[key] = held
+    def _cache(self, key: np.ndarray, fields: dict[int, int]) -> None:
+        """Indexes the blocks `fields` {group: block} under `key` (uint32[4]) where its entry and bucket have room."""
+        groups = np.fromiter(fields, np.int64, len(fields))
+        blocks = np.fromiter(fields.values(), np.int32, len(fields))
+        index.cache(key, groups, blocks, False, 0, self.ways, self.slots, self.block_slot, self.group_of,
+                    self.cached_in_pass, self.ref, self.nxt, self.prv)  # fmt: skip
 
     def release_copies(self, dsts) -> None:
         """The copies into `dsts` were applied: source, then destination, drop their pins."""
@@ -519,7 +476,7 @@ class HostState:
     def _tail_of(self, s: int) -> int:
         """p*: the prompt tail's final unit boundary of slot s (0: no prompt length)."""
         u, prompt_len = self.unit, self.prompt_len[s]
-        return min((prompt_len - 1) // u, len(self.hashes[s])) * u if prompt_len > 0 else 0
+        return min((prompt_len - 1) // u, self.num_hashed[s]) * u if prompt_len > 0 else 0
 
     def _register_tails(self, slots, move: bool) -> dict:
         """Indexes the slots' prompt-tail blocks; at a call's start a state block's owner moves to a fresh
@@ -547,7 +504,7 @@ class HostState:
                             continue
                     fields[g] = block
             if fields:
-                self._cache(self.hashes[s][tail // self.unit - 1], fields)
+                self._cache(self.keys[s, tail // self.unit - 1], fields)
                 moves += [
                     (s, g)
                     for g, block in fields.items()
@@ -565,7 +522,7 @@ class HostState:
 
     def _cache_state_blocks(self, s: int) -> None:
         n = self.num_computed[s]
-        if n == 0 or n % self.unit or n // self.unit > len(self.hashes[s]):
+        if n == 0 or n % self.unit or n // self.unit > self.num_hashed[s]:
             return
         fields = {}
         for g in range(self.num_groups):
@@ -575,35 +532,38 @@ class HostState:
                 if block != NULL_BLOCK and self.group_of[block] < 0:
                     fields[g] = block
         if fields:
-            self._cache(self.hashes[s][n // self.unit - 1], fields)
+            self._cache(self.keys[s, n // self.unit - 1], fields)
 
-    def lookup(self, keys: list[int], num_tokens: int, drop_last_block: bool = False) -> tuple[int, int]:
-        """The hit for a request with unit keys `keys` and `num_tokens` tokens (vLLM's fixed point) and its
-        shared length (the full-attention groups' own longest hit); `drop_last_block`: vLLM's EAGLE rule
-        (`jaxkv.prefix.state.lookup`)."""
+    def lookup(self, keys: np.ndarray, num_tokens: int, drop_last_block: bool = False) -> tuple[int, int]:
+        """The hit for a request with unit keys `keys` (uint32[U, 4]) and `num_tokens` tokens (vLLM's fixed
+        point) and its shared length (the full-attention groups' own longest hit); `drop_last_block`: vLLM's
+        EAGLE rule (`jaxkv.prefix.state.lookup`)."""
+        keys = np.require(keys, np.uint32, ["C", "W"])  # a copy only where read-only or strided
         hit, shared = self._lookup(keys, num_tokens, None)
         if drop_last_block and hit:
             hit = self._lookup(keys, num_tokens, hit - max(self.block_size))[0]
         return hit, shared
 
-    def _lookup(self, keys: list[int], num_tokens: int, max_hit: int | None) -> tuple[int, int]:
+    def _lookup(self, keys: np.ndarray, num_tokens: int, max_hit: int | None) -> tuple[int, int]:
         u = self.unit
         bound = min(max(num_tokens - 1, 0), len(keys) * u)
         if max_hit is not None:
             if max_hit <= 0:
                 return 0, 0
             num_tokens, bound = max_hit + 1, min(bound, max_hit)
+        indexed = index.probe(self.slots, self.ways, keys[: bound // u])  # [unit, group]
+        # Per group, whether each block (ending at unit (j + 1) · step − 1) is indexed.
+        cached = [(indexed[step - 1 :: step, g] != NULL_BLOCK).tolist() for g, step in enumerate(self.step.tolist())]
         full = [g for g in range(self.num_groups) if self.kind[g] == _FULL]
-        if not self.partial:
-            # vLLM's fixed point, each group probing only the blocks its rule looks at.
-            hit, memo = max(num_tokens - 1, 0) if keys else 0, {}
+        if not self.partial:  # vLLM's fixed point
+            hit, memo = max(num_tokens - 1, 0) if len(keys) else 0, {}
             while True:
                 new_hit = hit
                 for g in range(self.num_groups):
                     bs = self.block_size[g]
                     max_blocks = min(new_hit, bound) // bs
                     if (g, max_blocks) not in memo:
-                        memo[g, max_blocks] = self._hit_blocks(g, keys, max_blocks)
+                        memo[g, max_blocks] = self._hit_blocks(g, cached[g], max_blocks)
                     new_hit = memo[g, max_blocks] * bs
                 if new_hit == hit:
                     break
@@ -612,18 +572,14 @@ class HostState:
             for g in full:
                 max_blocks = bound // self.block_size[g]
                 if (g, max_blocks) not in memo:
-                    memo[g, max_blocks] = self._hit_blocks(g, keys, max_blocks)
+                    memo[g, max_blocks] = self._hit_blocks(g, cached[g], max_blocks)
                 own.append(memo[g, max_blocks] * self.block_size[g])
             return hit, max(own, default=hit)
-        cached = []
-        for g in range(self.num_groups):
-            step, index = self.block_size[g] // u, self.fields[g]
-            cached.append([key in index for key in keys[step - 1 : bound // u : step]])
         rules = self.rules
 
         def valid(g: int, h: int) -> bool:
             bs = self.block_size[g]
-            keyed = keys[h // u - 1] in self.fields[g]
+            keyed = indexed[h // u - 1, g] != NULL_BLOCK
             if g in self.partial and self.kind[g] == _MAMBA:
                 return keyed
             if g in self.partial:
@@ -635,31 +591,31 @@ class HostState:
         own = [next((h for h in grid if valid(g, h)), 0) for g in full]
         return hit, max(own, default=hit)
 
-    def _hit_blocks(self, g: int, keys: list[int], max_blocks: int) -> int:
-        """The longest valid hit of group g in blocks, at most `max_blocks` (`rules.hit_blocks_reference`,
-        probing only what the rule needs, in C-level iterations)."""
-        contains, step, kind = self.fields[g].__contains__, self.block_size[g] // self.unit, self.kind[g]
+    def _hit_blocks(self, g: int, cached: list[bool], max_blocks: int) -> int:
+        """The longest valid hit of group g in blocks, at most `max_blocks`, from whether each block is indexed
+        (`rules.hit_blocks_reference`, reading only what the rule needs, in C-level iterations)."""
+        kind = self.kind[g]
         if kind == _FULL or kind == _CHUNKED:
             first = 0
             if kind == _CHUNKED:
                 chunk_blocks = self.window[g] // self.block_size[g]
                 first = max_blocks // chunk_blocks * chunk_blocks
-            return first + len(list(takewhile(contains, keys[(first + 1) * step - 1 : max_blocks * step : step])))
+            return first + len(list(takewhile(bool, cached[first:max_blocks])))
         if kind == _SLIDING:
             num_needed = -(-(self.window[g] - 1) // self.block_size[g])
             if num_needed == 0:
                 return max_blocks
             first = max_blocks - num_needed
-            if first >= 0 and all(map(contains, keys[(first + 1) * step - 1 : max_blocks * step : step])):
+            if first >= 0 and all(cached[first:max_blocks]):
                 return max_blocks  # the common case: the window before the bound is cached
             run = 0
             for j in range(max_blocks - 1, -1, -1):
-                run = run + 1 if contains(keys[(j + 1) * step - 1]) else 0
+                run = run + 1 if cached[j] else 0
                 if run >= num_needed:
                     return j + run
             return run
         for j in range(max_blocks - 1, -1, -1):  # a state group: the latest saved state
-            if contains(keys[(j + 1) * step - 1]):
+            if cached[j]:
                 return j + 1
         return 0
 
@@ -669,7 +625,7 @@ class HostState:
             if not ok[i]:
                 continue
             tail = self._tail_of(s)
-            hashed_len = min(len(self.hashes[s]) * self.unit, self.num_computed[s] - lookahead[i])
+            hashed_len = min(self.num_hashed[s] * self.unit, self.num_computed[s] - lookahead[i])
             for g in self.partial:
                 bs = self.block_size[g]
                 j = tail // bs
@@ -688,68 +644,17 @@ class HostState:
     def _index_filled_rows(self, slots, hit_start, lookahead) -> None:
         """Indexes the rows' blocks whose tokens are all scheduled, row by row: one entry per block-end unit,
         in unit order, holding the groups' blocks that end there (`hit_start`: a claimed hit's length, or
-        -1). The rows' cached counts follow."""
-        self._cached_this_pass = set()
+        -1). The rows' cached counts follow. One caching pass (`host_index.index_rows`)."""
         if not len(slots):
             return
         u, bs = self.unit, self.group_rules.block_size
-        num_hashed = np.fromiter((len(self.hashes[s]) for s in slots.tolist()), np.int64, len(slots))
         n = self.num_computed[slots]
-        end = (np.minimum(np.minimum(num_hashed * u, n - lookahead), n)[:, None] // bs).astype(np.int64)
+        end = np.minimum(np.minimum(self.num_hashed[slots] * u, n - lookahead), n)[:, None] // bs
         start = np.where(hit_start[:, None] >= 0, hit_start[:, None] // bs, self.num_cached[slots])
         attention = self.group_rules.kind != MAMBA
-        end = np.where(attention, end, 0)
-        block_size, tables, cache = self.block_size, self.tables, self._cache
-        indexed_blocks, indexed_groups = [], []  # the fast path's new fields, marked cached after the loop
-        for i in np.flatnonzero(((end > start) & attention).any(axis=1)).tolist():
-            s, hashes = int(slots[i]), self.hashes[int(slots[i])]
-            # Groups with the same unit ranges are walked together, one entry per unit.
-            ranges: dict[tuple[int, int, int], list[int]] = {}
-            for g in np.flatnonzero((end[i] > start[i]) & attention).tolist():
-                step = block_size[g] // u
-                ranges.setdefault(((int(start[i, g]) + 1) * step - 1, int(end[i, g]) * step, step), []).append(g)
-            if len(ranges) == 1:
-                (((first, stop, step), groups),) = ranges.items()
-                lo = (first + 1) // step - 1
-                columns = [tables[g, s, lo : lo + len(range(first, stop, step))].tolist() for g in groups]
-                entries, index, key_of = self.entries, self.fields, self.key_of
-                bucket_used, mask, ways, this_pass = (
-                    self.bucket_used,
-                    self.num_buckets - 1,
-                    self.ways,
-                    self._cached_this_pass,
-                )
-                num_groups = len(groups)
-                for unit, blocks in zip(range(first, stop, step), zip(*columns)):
-                    key = hashes[unit]
-                    if key in entries or NULL_BLOCK in blocks:
-                        fields = {g: b for g, b in zip(groups, blocks) if b != NULL_BLOCK}
-                        if fields:
-                            cache(key, fields, replace=True)
-                        continue
-                    if bucket_used[key & mask] >= ways:  # `_cache` of a new entry, inlined
-                        continue
-                    bucket_used[key & mask] += 1
-                    entries[key] = num_groups
-                    for g, block in zip(groups, blocks):
-                        index[g][key] = block
-                        key_of[block] = key
-                    this_pass.update(blocks)
-                    indexed_blocks += blocks
-                    indexed_groups += groups
-                continue
-            by_unit: dict[int, dict[int, int]] = {}
-            for (first, stop, step), groups in ranges.items():
-                lo = (first + 1) // step - 1
-                for g in groups:
-                    for unit, block in zip(range(first, stop, step), tables[g, s, lo : stop // step].tolist()):
-                        if block != NULL_BLOCK:
-                            fields = by_unit.get(unit)
-                            if fields is None:
-                                by_unit[unit] = {g: block}
-                            else:
-                                fields[g] = block
-            for unit in sorted(by_unit):  # fields in group order, as a replacement frees old blocks in it
-                cache(hashes[unit], dict(sorted(by_unit[unit].items())), replace=True)
-        self.group_of[indexed_blocks] = indexed_groups
+        end = np.where(attention, end, 0).astype(np.int64)
+        self.num_passes += 1
+        index.index_rows(np.asarray(slots, np.int64), start, end, self.step, self.tables, self.keys,
+                         self.num_passes, self.ways, self.slots, self.block_slot, self.group_of, self.cached_in_pass,
+                         self.ref, self.nxt, self.prv)  # fmt: skip
         self.num_cached[slots] = np.where(attention, np.maximum(start, end), self.num_cached[slots])

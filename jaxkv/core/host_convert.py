@@ -3,8 +3,7 @@
 Dimensions: G groups, S slots (`max_num_seqs`), M max blocks per request, N blocks, C ring capacity (2 × N),
 B index buckets, W ways per bucket, U hash units per request.
 
-The host object (duck-typed; `jaxkv.core.host.HostState`) is `tests/model_reference.py`'s `ModelState` with
-faster structures:
+The host object (duck-typed; `jaxkv.core.host.HostState`) holds the same arrays, or faster structures:
 
     attribute     host                                  ManagerState
     ref           int32[N]                              pool.ref_cnt
@@ -15,15 +14,15 @@ faster structures:
     first_live    int64[S, G]                           first_live_idx [G, S]
     num_computed  int64[S]                              num_computed
   with a prefix cache (`prefix` not None):
-    key_of        list[int] N, 128-bit keys             pool.block_hash rows (where cached)
-    index         dict key -> G block ids (0: none)     prefix.index entries
+    slots         uint32[B × W, FIELDS + G]             prefix.index.slots; the cached blocks' pool.block_hash
+    block_slot    int32[N]                              prefix.index.block_slot
     num_buckets, ways                                   prefix.index.slots shape [B, W, ...]
-    hashes        S lists of keys                       prefix.req_hashes[s, :num_hashed_units[s]]
+    keys          uint32[S, U, 4]                       prefix.req_hashes
+    num_hashed    int64[S]                              prefix.num_hashed_units
     num_cached    int64[S, G]                           prefix.num_cached_blocks [G, S]
     shared_len, prompt_len  int64[S]                    prefix.shared_len, prefix.prompt_len
     copies        dict destination -> source            prefix.copy_src
 
-A key is the int `w0 | w1 << 32 | w2 << 64 | w3 << 96` of its four uint32 words; its bucket is `key & (B − 1)`.
 Host objects also carry `cfg`, `prefix` (a PrefixCacheConfig or None) and `max_num_seqs`.
 """
 
@@ -33,11 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.core.host import ints_to_keys, keys_to_ints
 from jaxkv.core.pool import HASH_WORDS, NOT_CACHED, PoolState, free_order
 from jaxkv.core.state import ManagerState, max_blocks_per_request
-from jaxkv.planner.specs import NULL_BLOCK
-from jaxkv.prefix.index import COUNT_WORD, FIELDS, NOT_INDEXED, IndexState
+from jaxkv.prefix.index import IndexState
 from jaxkv.prefix.state import PrefixState
 
 
@@ -49,10 +46,9 @@ def to_state(host) -> ManagerState:
     """The ManagerState of a host object, as the jitted transitions would hold it between calls.
 
     Free order at ring positions 0.. with ring_head 0 and no stale entries; `queue_pos` is each free block's
-    position and −1 for the others (as `init_pool` gives the null block: it matches no ring position). Index
-    entries take the first ways of their buckets, in the host dict's order. No block counts as indexed by
-    the current caching pass (`num_cache_passes` 0, `cached_in_pass` 0: the next pass is 1). Raises
-    ValueError where the host's shapes disagree with its config or a bucket holds more than W entries.
+    position and −1 for the others (as `init_pool` gives the null block: it matches no ring position). No
+    block counts as indexed by the current caching pass (`num_cache_passes` 0, `cached_in_pass` 0: the next
+    pass is 1). Raises ValueError where the host's shapes disagree with its config.
     """
     cfg, prefix = host.cfg, host.prefix
     num_blocks = cfg.num_blocks
@@ -71,7 +67,7 @@ def to_state(host) -> ManagerState:
     block_hash = np.zeros((num_blocks, HASH_WORDS), np.uint32)
     if prefix is not None:
         cached = np.flatnonzero(block_group != NOT_CACHED)
-        block_hash[cached] = ints_to_keys(host.key_of[b] for b in cached.tolist())
+        block_hash[cached] = host.slots[host.block_slot[cached] // num_groups, :HASH_WORDS]
     pool = PoolState(
         ref_cnt=np.asarray(host.ref, np.int32),
         free_ring=ring,
@@ -93,24 +89,17 @@ def to_state(host) -> ManagerState:
 
 
 def _prefix_state(host, shape) -> PrefixState:
-    cfg, prefix = host.cfg, host.prefix
     num_groups, num_slots, _ = shape
-    num_blocks = cfg.num_blocks
-    num_units = prefix.num_units(cfg)
-    req_hashes = np.zeros((num_slots, num_units, HASH_WORDS), np.uint32)
-    num_hashed = np.zeros(num_slots, np.int32)
-    for slot, keys in enumerate(host.hashes):
-        if len(keys) > num_units:
-            raise ValueError(f"slot {slot} has {len(keys)} unit keys; the state holds {num_units} per slot")
-        req_hashes[slot, : len(keys)] = ints_to_keys(keys)
-        num_hashed[slot] = len(keys)
+    num_blocks = host.cfg.num_blocks
     copy_src = np.zeros(num_blocks, np.int32)
     for dst, src in host.copies.items():
         copy_src[dst] = src
     return PrefixState(
-        index=_index_state(host.index, host.num_buckets, host.ways, num_groups, num_blocks),
-        req_hashes=req_hashes,
-        num_hashed_units=num_hashed,
+        index=IndexState(
+            slots=host.slots.reshape(host.num_buckets, host.ways, -1).copy(), block_slot=host.block_slot.copy()
+        ),
+        req_hashes=host.keys.copy(),
+        num_hashed_units=np.asarray(host.num_hashed, np.int32),
         num_cached_blocks=np.asarray(host.num_cached, np.int32).reshape(num_slots, num_groups).T,
         shared_len=np.asarray(host.shared_len, np.int32),
         prompt_len=np.asarray(host.prompt_len, np.int32),
@@ -120,36 +109,11 @@ def _prefix_state(host, shape) -> PrefixState:
     )
 
 
-def _index_state(index: dict, num_buckets: int, ways: int, num_groups: int, num_blocks: int) -> IndexState:
-    """The IndexState of {key: G block ids}: entry i of a bucket in way i, `block_slot` at each field."""
-    slots = np.zeros((num_buckets, ways, FIELDS + num_groups), np.uint32)
-    block_slot = np.full(num_blocks, NOT_INDEXED, np.int32)
-    entries = [(key, fields) for key, fields in index.items() if any(fields)]  # an empty entry is no entry
-    if entries:
-        words = ints_to_keys(key for key, _ in entries)
-        fields = np.asarray([f for _, f in entries], np.int64).reshape(len(entries), num_groups)
-        bucket = (words[:, 0] & np.uint32(num_buckets - 1)).astype(np.int64)
-        by_bucket = np.argsort(bucket, kind="stable")
-        way = np.empty(len(entries), np.int64)
-        sorted_bucket = bucket[by_bucket]
-        way[by_bucket] = np.arange(len(entries)) - np.searchsorted(sorted_bucket, sorted_bucket, side="left")
-        if way.max() >= ways:
-            full = int(bucket[np.argmax(way)])
-            raise ValueError(f"index bucket {full} holds {int(way.max()) + 1} entries, more than {ways=}")
-        slots[bucket, way, :HASH_WORDS] = words
-        slots[bucket, way, COUNT_WORD] = np.count_nonzero(fields, axis=1)
-        slots[bucket, way, FIELDS:] = fields
-        field_id = (bucket * ways + way)[:, None] * num_groups + np.arange(num_groups)[None, :]
-        held = fields != NULL_BLOCK
-        block_slot[fields[held]] = field_id[held]
-    return IndexState(slots=slots, block_slot=block_slot)
-
-
 def load_state(host, state: ManagerState) -> None:
     """Fills the host object's state attributes from `state` (device or host arrays); one transfer.
 
     `host.cfg`, `host.prefix` and `host.max_num_seqs` must describe `state` (ValueError otherwise). The free
-    order is linked as the ring holds it. `key_of` is 0 where a block is not cached.
+    order is linked as the ring holds it.
     """
     cfg = host.cfg
     shape = _shape(cfg, host.max_num_seqs)
@@ -174,19 +138,12 @@ def load_state(host, state: ManagerState) -> None:
     if state.prefix is None:
         return
     prefix = state.prefix
-    key_of = [0] * cfg.num_blocks
-    cached = np.flatnonzero(block_group != NOT_CACHED)
-    for block, key in zip(cached.tolist(), keys_to_ints(np.asarray(pool.block_hash)[cached])):
-        key_of[block] = key
-    host.key_of = key_of
     slots = np.asarray(prefix.index.slots)
     host.num_buckets, host.ways = slots.shape[:2]
-    rows = slots.reshape(-1, slots.shape[-1])
-    rows = rows[rows[:, COUNT_WORD] != 0]
-    host.index = dict(zip(keys_to_ints(rows[:, :HASH_WORDS]), rows[:, FIELDS:].astype(np.int64).tolist()))
-    req_hashes = np.asarray(prefix.req_hashes)
-    num_hashed = np.asarray(prefix.num_hashed_units).tolist()
-    host.hashes = [keys_to_ints(req_hashes[slot, :n]) for slot, n in enumerate(num_hashed)]
+    host.slots = slots.reshape(-1, slots.shape[-1]).copy()
+    host.block_slot = np.array(prefix.index.block_slot, np.int32)
+    host.keys = np.array(prefix.req_hashes, np.uint32)
+    host.num_hashed = np.asarray(prefix.num_hashed_units, np.int64).copy()
     host.num_cached = np.asarray(prefix.num_cached_blocks, np.int64).T.copy()
     host.shared_len = np.asarray(prefix.shared_len, np.int64).copy()
     host.prompt_len = np.asarray(prefix.prompt_len, np.int64).copy()

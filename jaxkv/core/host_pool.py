@@ -23,7 +23,7 @@ import numpy as np
 from jaxkv.planner.specs import NULL_BLOCK
 
 
-def _jit(signature: str):
+def _jit(signature):
     """Compiled for one signature when this module is imported (from numba's cache after the first time), so
     that no call pays a compilation; the arrays are C-contiguous (`::1`) and of exactly these dtypes."""
     return numba.njit(signature, cache=True, nogil=True)
@@ -84,18 +84,17 @@ def _push_back(nxt, prv, b):
     nxt[t] = b
 
 
-@_jit(f"UniTuple(int32[::1], 2)(int64, {_ARRAYS})")
+@_jit(f"int32[::1](int64, {_ARRAYS})")
 def pop(k, nxt, prv, ref, group_of):
-    """Takes the first k free blocks (count 1, uncached). Returns (blocks int32[k], the group each was cached
-    for int32[k], -1: none): the caller takes those out of its index."""
-    blocks, groups = np.empty(k, np.int32), np.empty(k, np.int32)
+    """Takes the first k free blocks (count 1, no longer cached: the caller takes them out of its index)."""
+    blocks = np.empty(k, np.int32)
     for i in range(k):
         b = nxt[0]
         unlink(nxt, prv, b)
         ref[b] = 1
-        blocks[i], groups[i] = b, group_of[b]
         group_of[b] = -1
-    return blocks, groups
+        blocks[i] = b
+    return blocks
 
 
 @_jit(f"int64(int64, boolean, {_ARRAYS})")

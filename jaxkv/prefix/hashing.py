@@ -195,7 +195,6 @@ class UnitHasher:
         self._common_keys = encode_extra_keys(self._request_keys)
         self._pending = array.array("I")  # tokens of the unfinished unit
         self.digests: list[bytes] = []
-        self.key_ints: list[int] = []  # the index keys of `digests` as 128-bit ints (the host backend's keys)
 
     @property
     def num_units(self) -> int:
@@ -221,8 +220,6 @@ class UnitHasher:
         first = self.num_units
         new = self._hash_vllm(full, first) if self.mode == "vllm" else self._hash_jaxkv(full, first)
         self.digests += new
-        from_bytes = int.from_bytes
-        self.key_ints += [from_bytes(digest[:16], "little") for digest in new]
         return digests_to_keys(new)
 
     def _hash_jaxkv(self, tokens: np.ndarray, first: int) -> list[bytes]:

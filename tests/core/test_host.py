@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from model_reference import ModelState
 from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
-from jaxkv.core.host import HostState, ints_to_keys, keys_to_ints
+from jaxkv.core.host import HostState, ints_to_keys
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.hashing import prompt_unit_hashes
+from jaxkv.prefix.index import IndexState, check_index
 from jaxkv.prefix.state import PrefixCacheConfig
 
 NUM_SLOTS = 4
@@ -48,14 +49,13 @@ def assert_host_matches(host: HostState, model: ModelState) -> None:
         if block
     }
     assert entries == model.index.entries(), "index"
-    for block, g in model.cached_group.items():
-        assert host.index[host.key_of[block]][g] == block, "key_of"
-    used = np.bincount([key & (host.num_buckets - 1) for key in host.index], minlength=host.num_buckets)
-    assert host.bucket_used == used.tolist(), "bucket counts"
+    # Entries in their keys' buckets, counts, `block_slot` at each field and nowhere else (the device's checks).
+    indexed = check_index(IndexState(host.slots.reshape(host.num_buckets, host.ways, -1), host.block_slot))
+    assert {block: g for block, (_, g) in indexed.items()} == model.cached_group, "cached blocks' fields"
     assert host.num_cached.T.tolist() == model.num_cached, "num_cached"
     assert host.prompt_len.tolist() == model.prompt_len and host.shared_len.tolist() == model.shared_len
     assert host.copies == model.copies, "pending copies"
-    assert [ints_to_keys(h).tolist() for h in host.hashes] == [[list(k) for k in h] for h in model.hashes]
+    assert [host.unit_keys(s).tolist() for s in range(NUM_SLOTS)] == [[list(k) for k in h] for h in model.hashes]
 
 
 def run_lock_step(data, cfg, unit, caching=True, speculate=False):
@@ -74,7 +74,7 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False):
 
     def lookup(slot):
         keys = keys_of(live[slot])
-        looked_up[slot] = host.lookup(keys_to_ints(keys), len(live[slot]), eagle)
+        looked_up[slot] = host.lookup(keys, len(live[slot]), eagle)
         assert looked_up[slot] == model.lookup(keys, len(live[slot]), eagle)
 
     for _ in range(data.draw(st.integers(1, 40), label="num_ops")):
@@ -120,7 +120,7 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False):
                 model.release_copies(released)
                 for slot, tokens in live.items():
                     keys = keys_of(tokens)
-                    host.hashes[slot] = keys_to_ints(keys)
+                    host.set_keys(slot, keys)
                     model.set_hashes(slot, keys)
             host.roll_back(slots, row_rejected)
             model.roll_back(slots, row_rejected)

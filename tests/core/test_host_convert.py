@@ -35,10 +35,6 @@ def empty_host(mgr):
     return HostState(mgr.cfg, mgr.max_num_seqs, mgr.prefix_config)
 
 
-def key_int(words) -> int:
-    return sum(int(w) << (32 * i) for i, w in enumerate(words))
-
-
 def key_words(key: int) -> tuple[int, ...]:
     return tuple((key >> (32 * i)) & 0xFFFFFFFF for i in range(4))
 
@@ -56,7 +52,7 @@ def model_of(host) -> ModelState:
         model.index.fields = {
             key_words(key): {g: b for g, b in enumerate(fields) if b} for key, fields in host.index.items()
         }
-        model.hashes = [[key_words(key) for key in keys] for keys in host.hashes]
+        model.hashes = [[tuple(w) for w in host.unit_keys(s).tolist()] for s in range(host.max_num_seqs)]
         model.num_cached = np.asarray(host.num_cached).T.tolist()
         model.shared_len = list(host.shared_len)
         model.prompt_len = list(host.prompt_len)
@@ -73,13 +69,12 @@ def assert_host_matches(host, state):
     assert len(host.first_live) == host.max_num_seqs and len(host.ref) == len(host.group_of) == host.cfg.num_blocks
     if host.prefix is None:
         return
-    for block in np.flatnonzero(state.pool.block_group != NOT_CACHED).tolist():
-        assert host.key_of[block] == key_int(state.pool.block_hash[block]), f"key of block {block}"
+    cached = np.flatnonzero(state.pool.block_group != NOT_CACHED)
+    entry = host.block_slot[cached] // len(host.cfg.groups)
+    np.testing.assert_array_equal(host.slots[entry, :4], state.pool.block_hash[cached], err_msg="cached blocks' keys")
     assert (host.num_buckets, host.ways) == state.prefix.index.slots.shape[:2]
-    num_hashed = state.prefix.num_hashed_units
-    assert host.hashes == [
-        [key_int(w) for w in state.prefix.req_hashes[s, : num_hashed[s]]] for s in range(host.max_num_seqs)
-    ]
+    np.testing.assert_array_equal(host.keys, state.prefix.req_hashes)
+    np.testing.assert_array_equal(host.num_hashed, state.prefix.num_hashed_units)
 
 
 def assert_same_state(a, b):
@@ -220,8 +215,6 @@ def test_index_entries_fill_their_buckets_and_no_more():
     b = host.num_buckets
     # Keys 7, 7 + b + 9·2^96 and 7 + 2b share bucket 7; the second has only group 1's block.
     host.index = {7: [4, 5, 0], 7 + b + (9 << 96): [0, 6, 0]}
-    for block, (key, g) in {4: (7, 0), 5: (7, 1), 6: (7 + b + (9 << 96), 1)}.items():
-        host.group_of[block], host.key_of[block] = g, key
     index = to_state(host).prefix.index
     assert index_entries(index) == {
         (key_words(7), 0): (4, 7 * 2),
@@ -229,9 +222,8 @@ def test_index_entries_fill_their_buckets_and_no_more():
         (key_words(7 + b + (9 << 96)), 1): (6, 7 * 2 + 1),
     }
     jaxkv.check_invariants(cfg, to_state(host), prefix)
-    host.index = {**host.index, 7 + 2 * b: [8, 0, 0]}
-    with pytest.raises(ValueError, match="bucket 7 holds 3 entries"):
-        to_state(host)
+    with pytest.raises(ValueError, match="bucket 7 is full"):
+        host.index = {**host.index, 7 + 2 * b: [8, 0, 0]}
 
 
 def test_load_state_refuses_a_host_of_another_shape():

@@ -1,0 +1,147 @@
+"""The host backend's prefix-cache index: the device index's arrays (`jaxkv.prefix.index.IndexState`), probed
+and updated by loops compiled with numba.
+
+Dimensions: E entries (B buckets × W ways, bucket-major), G groups, N blocks, K keys or fields passed to one call,
+R rows, S slots, U units per slot.
+
+    slots        uint32[E, FIELDS + G]  per entry: the key's four words, the fields held (`COUNT_WORD`; 0: the
+                                        way is free) and one block per group (0: none)
+    block_slot   int32[N]               e × G + g of the field holding a cached block; -1: none
+    keys         uint32[S, U, 4]        each slot's unit keys (the device's `req_hashes`)
+
+A key's bucket is its first word's low bits (`jaxkv.prefix.index.bucket_of`); a new key takes the first free way
+of its bucket and is not indexed when the bucket is full. `cached_in_pass[b] == pass_id`: block b was indexed by
+the current caching pass, which does not replace it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.core.host_pool import _jit, push_front, unlink
+from jaxkv.prefix.index import COUNT_WORD, FIELDS
+
+_INDEX = "uint32[:, ::1], int32[::1], int32[::1]"  # slots, block_slot, group_of
+_POOL = "int32[::1], int32[::1], int32[::1], int32[::1]"  # cached_in_pass, ref, nxt, prv
+
+
+@_jit("int64(uint32[:, ::1], int64, uint32[::1])")
+def find(slots, ways, key):
+    """The entry holding `key` (uint32[4]), -1: none."""
+    bucket = int(key[0]) & (slots.shape[0] // ways - 1)
+    for e in range(bucket * ways, bucket * ways + ways):
+        if (
+            slots[e, COUNT_WORD]
+            and slots[e, 0] == key[0]
+            and slots[e, 1] == key[1]
+            and slots[e, 2] == key[2]
+            and slots[e, 3] == key[3]
+        ):
+            return e
+    return -1
+
+
+@_jit("int32[:, ::1](uint32[:, ::1], int64, uint32[:, ::1])")
+def probe(slots, ways, keys):
+    """int32[K, G]: the blocks indexed under each of `keys` (uint32[K, 4]), 0 where none."""
+    num_groups = slots.shape[1] - FIELDS
+    out = np.zeros((keys.shape[0], num_groups), np.int32)
+    for k in range(keys.shape[0]):
+        e = find(slots, ways, keys[k])
+        if e >= 0:
+            for g in range(num_groups):
+                out[k, g] = slots[e, FIELDS + g]
+    return out
+
+
+@_jit("void(int64, uint32[:, ::1], int32[::1])")
+def _unindex(block, slots, block_slot):
+    e, g = divmod(block_slot[block], slots.shape[1] - FIELDS)
+    slots[e, FIELDS + g] = 0
+    slots[e, COUNT_WORD] -= 1  # at 0 the way is free
+    block_slot[block] = -1
+
+
+@_jit(f"void(int64, {_INDEX})")
+def uncache(block, slots, block_slot, group_of):
+    """Takes a cached block out of the index."""
+    _unindex(block, slots, block_slot)
+    group_of[block] = -1
+
+
+@_jit("void(int32[::1], uint32[:, ::1], int32[::1])")
+def evict(blocks, slots, block_slot):
+    """Takes the indexed ones of `blocks` (popped, so no longer cached) out of the index."""
+    for i in range(blocks.shape[0]):
+        if block_slot[blocks[i]] >= 0:
+            _unindex(blocks[i], slots, block_slot)
+
+
+@_jit(f"void(uint32[::1], int64[::1], int32[::1], boolean, int32, int64, {_INDEX}, {_POOL})")
+def cache(key, groups, blocks, replace, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv):
+    """Indexes `blocks` (one per group of `groups`, ascending) under `key` where the key's entry and bucket have
+    room. With `replace` (an allocation's caching pass) a block held under (key, group) before this pass first
+    leaves the index (a free one moves to the front of the free order)."""
+    e = find(slots, ways, key)
+    if e >= 0 and replace:
+        for i in range(groups.shape[0]):
+            old = slots[e, FIELDS + groups[i]]
+            if old == 0 or old == blocks[i] or cached_in_pass[old] == pass_id:
+                continue
+            uncache(old, slots, block_slot, group_of)
+            if ref[old] == 0:
+                unlink(nxt, prv, old)
+                push_front(nxt, prv, old)
+    if e < 0 or slots[e, COUNT_WORD] == 0:  # a new entry (or one the replacement emptied): a free way
+        if groups.shape[0] == 0:
+            return
+        bucket = int(key[0]) & (slots.shape[0] // ways - 1)
+        if e < 0:
+            for way in range(bucket * ways, bucket * ways + ways):
+                if slots[way, COUNT_WORD] == 0:
+                    e = way
+                    break
+            if e < 0:
+                return
+        slots[e, :4] = key
+    num_groups = slots.shape[1] - FIELDS
+    for i in range(groups.shape[0]):
+        g, b = groups[i], blocks[i]
+        if slots[e, FIELDS + g] == 0:
+            slots[e, FIELDS + g] = b
+            slots[e, COUNT_WORD] += 1
+            block_slot[b] = e * num_groups + g
+            group_of[b] = g
+            if replace:
+                cached_in_pass[b] = pass_id
+
+
+@_jit(
+    "void(int64[::1], int64[:, ::1], int64[:, ::1], int64[::1], int32[:, :, ::1], uint32[:, :, ::1], int32, int64,"
+    f" {_INDEX}, {_POOL})"
+)
+def index_rows(
+    rows, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv
+):
+    """An allocation's caching pass: per row (slot `rows[i]`) and group g, the blocks [start, end) of
+    `tables[g, slot]` are indexed, one entry per block-end unit (block j ends at unit (j + 1) · step[g] − 1), in
+    unit order, each holding the groups' blocks that end there (null table entries left out)."""
+    num_groups = step.shape[0]
+    groups, blocks = np.empty(num_groups, np.int64), np.empty(num_groups, np.int32)
+    for i in range(rows.shape[0]):
+        s, lo, hi = rows[i], -1, 0
+        for g in range(num_groups):
+            if end[i, g] > start[i, g]:
+                first = (start[i, g] + 1) * step[g] - 1
+                lo = first if lo < 0 else min(lo, first)
+                hi = max(hi, end[i, g] * step[g])
+        for unit in range(max(lo, 0), hi):
+            k = 0
+            for g in range(num_groups):
+                j = (unit + 1) // step[g] - 1
+                if (unit + 1) % step[g] == 0 and start[i, g] <= j < end[i, g] and tables[g, s, j] != 0:
+                    groups[k], blocks[k] = g, tables[g, s, j]
+                    k += 1
+            if k:
+                cache(keys[s, unit], groups[:k], blocks[:k], True, pass_id, ways, slots, block_slot, group_of,
+                      cached_in_pass, ref, nxt, prv)  # fmt: skip
