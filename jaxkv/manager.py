@@ -57,7 +57,7 @@ from jaxkv.core.step import StepBatch, StepWork, allocate_step, rollback_ranges,
 from jaxkv.metadata import StepMetadata, step_metadata
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK, cdiv
-from jaxkv.prefix.hashing import HashMode, UnitHasher, digests_to_keys
+from jaxkv.prefix.hashing import HashMode, UnitHasher
 from jaxkv.prefix.state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
 
 PREFIX_STATS = ("lookups", "lookup_tokens", "hit_tokens", "reconciliation_miss_tokens", "claimed_hit_tokens")
@@ -367,18 +367,15 @@ class KVCacheManager:
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
             unit_hasher.extend(token_ids[unit_hasher.num_tokens :])
-            self._host.set_keys(slot, digests_to_keys(unit_hasher.digests))
+            self._host.set_keys(slot, unit_hasher.keys)
             self._hashers[slot] = unit_hasher
             self._num_keys[slot] = unit_hasher.num_units
             self._num_hashed_tokens[slot] = len(token_ids)
         elif self.prefix_config is not None:
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
-                self._keys[slot] = unit_hasher.extend(token_ids)
-            else:  # it may not have taken the last tokens yet (a manager hashes only completed units)
-                self._keys[slot] = np.concatenate(
-                    [digests_to_keys(unit_hasher.digests), unit_hasher.extend(token_ids[unit_hasher.num_tokens :])]
-                )
+            unit_hasher.extend(token_ids[unit_hasher.num_tokens :])  # a given one may lack the last tokens
+            self._keys[slot] = unit_hasher.keys.copy()
             self._hashers[slot] = unit_hasher
             self._num_keys[slot] = len(self._keys[slot])
             self._num_hashed_tokens[slot] = len(token_ids)
@@ -1058,7 +1055,7 @@ class KVCacheManager:
             self._host_taken = False
             for slot in self._slot_of.values():  # the hashers' keys
                 if self._hashers[slot] is not None:
-                    self._host.set_keys(slot, digests_to_keys(self._hashers[slot].digests))
+                    self._host.set_keys(slot, self._hashers[slot].keys)
         num_computed, first_live, num_free = jax.device_get(
             (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
         )

@@ -20,8 +20,6 @@ arrays, updated in place; the loops over a call's blocks are compiled with numba
 
 from __future__ import annotations
 
-from itertools import takewhile
-
 import numpy as np
 
 from jaxkv.core import host_index as index
@@ -42,7 +40,7 @@ from jaxkv.prefix.index import COUNT_WORD, FIELDS, NOT_INDEXED, num_buckets_for
 from jaxkv.prefix.rules import HitRule, hit_blocks_reference
 from jaxkv.prefix.state import PrefixCacheConfig, num_index_entries, partial_groups
 
-_FULL, _SLIDING, _CHUNKED, _MAMBA = range(4)
+_FULL, _SLIDING, _CHUNKED, _MAMBA = index.FULL, index.SLIDING, index.CHUNKED, index.STATE
 _KINDS = {"full": _FULL, "sliding_window": _SLIDING, "chunked_local": _CHUNKED, "mamba": _MAMBA}
 
 
@@ -122,6 +120,9 @@ class HostState:
             self.partial = list(partial_groups(cfg, prefix))
             self.rules = [HitRule.for_spec(g.spec) for g in groups]
             self.step = self.group_rules.block_size.astype(np.int64) // self.unit  # units per block
+            self._kind_arrays = tuple(
+                np.asarray(x, np.int64) for x in (self.kind, self.block_size, self.window, self.step)
+            )
 
     # ---- pool ----------------------------------------------------------------------------------
     def free_order(self) -> list[int]:
@@ -551,30 +552,12 @@ class HostState:
             if max_hit <= 0:
                 return 0, 0
             num_tokens, bound = max_hit + 1, min(bound, max_hit)
+        if not self.partial:  # vLLM's fixed point
+            return index.lookup(self.slots, self.ways, keys, num_tokens, bound, *self._kind_arrays)
         indexed = index.probe(self.slots, self.ways, keys[: bound // u])  # [unit, group]
         # Per group, whether each block (ending at unit (j + 1) · step − 1) is indexed.
         cached = [(indexed[step - 1 :: step, g] != NULL_BLOCK).tolist() for g, step in enumerate(self.step.tolist())]
         full = [g for g in range(self.num_groups) if self.kind[g] == _FULL]
-        if not self.partial:  # vLLM's fixed point
-            hit, memo = max(num_tokens - 1, 0) if len(keys) else 0, {}
-            while True:
-                new_hit = hit
-                for g in range(self.num_groups):
-                    bs = self.block_size[g]
-                    max_blocks = min(new_hit, bound) // bs
-                    if (g, max_blocks) not in memo:
-                        memo[g, max_blocks] = self._hit_blocks(g, cached[g], max_blocks)
-                    new_hit = memo[g, max_blocks] * bs
-                if new_hit == hit:
-                    break
-                hit = new_hit
-            own = []
-            for g in full:
-                max_blocks = bound // self.block_size[g]
-                if (g, max_blocks) not in memo:
-                    memo[g, max_blocks] = self._hit_blocks(g, cached[g], max_blocks)
-                own.append(memo[g, max_blocks] * self.block_size[g])
-            return hit, max(own, default=hit)
         rules = self.rules
 
         def valid(g: int, h: int) -> bool:
@@ -590,34 +573,6 @@ class HostState:
         hit = next((h for h in grid if all(valid(g, h) for g in range(self.num_groups))), 0)
         own = [next((h for h in grid if valid(g, h)), 0) for g in full]
         return hit, max(own, default=hit)
-
-    def _hit_blocks(self, g: int, cached: list[bool], max_blocks: int) -> int:
-        """The longest valid hit of group g in blocks, at most `max_blocks`, from whether each block is indexed
-        (`rules.hit_blocks_reference`, reading only what the rule needs, in C-level iterations)."""
-        kind = self.kind[g]
-        if kind == _FULL or kind == _CHUNKED:
-            first = 0
-            if kind == _CHUNKED:
-                chunk_blocks = self.window[g] // self.block_size[g]
-                first = max_blocks // chunk_blocks * chunk_blocks
-            return first + len(list(takewhile(bool, cached[first:max_blocks])))
-        if kind == _SLIDING:
-            num_needed = -(-(self.window[g] - 1) // self.block_size[g])
-            if num_needed == 0:
-                return max_blocks
-            first = max_blocks - num_needed
-            if first >= 0 and all(cached[first:max_blocks]):
-                return max_blocks  # the common case: the window before the bound is cached
-            run = 0
-            for j in range(max_blocks - 1, -1, -1):
-                run = run + 1 if cached[j] else 0
-                if run >= num_needed:
-                    return j + run
-            return run
-        for j in range(max_blocks - 1, -1, -1):  # a state group: the latest saved state
-            if cached[j]:
-                return j + 1
-        return 0
 
     def _uncache_filled_tails(self, slots, ok, hit_ok, n_eff, lookahead) -> None:
         """A partially indexed tail block that the scheduled tokens fill leaves the index."""

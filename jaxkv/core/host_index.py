@@ -145,3 +145,72 @@ def index_rows(
             if k:
                 cache(keys[s, unit], groups[:k], blocks[:k], True, pass_id, ways, slots, block_slot, group_of,
                       cached_in_pass, ref, nxt, prv)  # fmt: skip
+
+
+FULL, SLIDING, CHUNKED, STATE = range(4)  # group kinds
+
+
+@_jit("int64(int32[:, ::1], int64, int64, int64, int64, int64, int64)")
+def _hit_blocks(indexed, g, kind, block_size, window, step, max_blocks):
+    """`rules.hit_blocks_reference` of group g at `max_blocks`: block j is cached where
+    `indexed[(j + 1) · step − 1, g]` is not null."""
+    if kind == FULL or kind == CHUNKED:
+        j = 0 if kind == FULL else max_blocks // (window // block_size) * (window // block_size)
+        while j < max_blocks and indexed[(j + 1) * step - 1, g]:
+            j += 1
+        return j
+    if kind == SLIDING:
+        num_needed = -(-(window - 1) // block_size)
+        if num_needed == 0:
+            return max_blocks
+        run = 0
+        for j in range(max_blocks - 1, -1, -1):
+            run = run + 1 if indexed[(j + 1) * step - 1, g] else 0
+            if run >= num_needed:
+                return j + run
+        return run
+    for j in range(max_blocks - 1, -1, -1):  # a state group: the latest saved state
+        if indexed[(j + 1) * step - 1, g]:
+            return j + 1
+    return 0
+
+
+@_jit(
+    "UniTuple(int64, 2)(uint32[:, ::1], int64, uint32[:, ::1], int64, int64, int64[::1], int64[::1], int64[::1],"
+    " int64[::1])"
+)
+def lookup(slots, ways, keys, num_tokens, bound, kind, block_size, window, step):
+    """vLLM's fixed point for a request of `num_tokens` tokens with unit keys `keys`, hits at most `bound` tokens:
+    (hit, shared length: the full-attention groups' own longest hit). Keys are probed in order up to where every
+    full-attention group has missed a block (no hit reaches past it)."""
+    num_groups, num_units = kind.shape[0], bound // (block_size[0] // step[0])
+    indexed = np.zeros((num_units, num_groups), np.int32)
+    missed = np.zeros(num_groups, np.bool_)
+    num_full = 0
+    for g in range(num_groups):
+        num_full += kind[g] == FULL
+    num_missed = 0
+    for unit in range(num_units):
+        e = find(slots, ways, keys[unit])
+        for g in range(num_groups):
+            indexed[unit, g] = slots[e, FIELDS + g] if e >= 0 else 0
+            if kind[g] == FULL and not missed[g] and (unit + 1) % step[g] == 0 and indexed[unit, g] == 0:
+                missed[g] = True
+                num_missed += 1
+        if num_full and num_missed == num_full:
+            break
+    hit = max(num_tokens - 1, 0) if keys.shape[0] else 0
+    while True:
+        new_hit = hit
+        for g in range(num_groups):
+            max_blocks = min(new_hit, bound) // block_size[g]
+            new_hit = _hit_blocks(indexed, g, kind[g], block_size[g], window[g], step[g], max_blocks) * block_size[g]
+        if new_hit == hit:
+            break
+        hit = new_hit
+    shared = -1
+    for g in range(num_groups):
+        if kind[g] == FULL:
+            own = _hit_blocks(indexed, g, kind[g], block_size[g], window[g], step[g], bound // block_size[g])
+            shared = max(shared, own * block_size[g])
+    return hit, hit if shared < 0 else shared

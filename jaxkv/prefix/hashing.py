@@ -195,10 +195,16 @@ class UnitHasher:
         self._common_keys = encode_extra_keys(self._request_keys)
         self._pending = array.array("I")  # tokens of the unfinished unit
         self.digests: list[bytes] = []
+        self._keys = np.zeros((64, KEY_WORDS), np.uint32)  # `keys`, with room to grow
 
     @property
     def num_units(self) -> int:
         return len(self.digests)
+
+    @property
+    def keys(self) -> np.ndarray:
+        """uint32[U, 4]: the index keys of `digests` (`digests_to_keys`), a view that later units do not change."""
+        return self._keys[: self.num_units]
 
     @property
     def num_tokens(self) -> int:
@@ -219,8 +225,14 @@ class UnitHasher:
         full, self._pending = tokens[: num_new * self.unit], array.array("I", tokens[num_new * self.unit :].tobytes())
         first = self.num_units
         new = self._hash_vllm(full, first) if self.mode == "vllm" else self._hash_jaxkv(full, first)
+        keys = digests_to_keys(new)
+        if self.num_units + len(new) > len(self._keys):
+            grown = np.zeros((2 * (self.num_units + len(new)), KEY_WORDS), np.uint32)
+            grown[: self.num_units] = self.keys
+            self._keys = grown
+        self._keys[self.num_units : self.num_units + len(new)] = keys
         self.digests += new
-        return digests_to_keys(new)
+        return keys
 
     def _hash_jaxkv(self, tokens: np.ndarray, first: int) -> list[bytes]:
         # Unit i's message after its parent: tag | u32 unit | uint32[unit] tokens | the request's keys;
