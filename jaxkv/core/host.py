@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxkv.core import host_index as index
 from jaxkv.core import host_pool as pool
+from jaxkv.core import host_step
 from jaxkv.core.pool import HASH_WORDS
 from jaxkv.core.state import (
     CHUNKED_LOCAL,
@@ -120,6 +121,11 @@ class HostState:
             self.partial = list(partial_groups(cfg, prefix))
             self.rules = [HitRule.for_spec(g.spec) for g in groups]
             self.step = self.group_rules.block_size.astype(np.int64) // self.unit  # units per block
+            rules = self.group_rules
+            self._rules = np.stack(
+                [rules.block_size, rules.max_blocks, rules.keep_offset, rules.keep_unit, rules.keep_scale,
+                 rules.keep_div, self.step]
+            ).astype(np.int64)  # fmt: skip
             self._kind_arrays = tuple(
                 np.asarray(x, np.int64) for x in (self.kind, self.block_size, self.window, self.step)
             )
@@ -183,9 +189,11 @@ class HostState:
         """vLLM's sequential outcome (`jaxkv.core.step`), for int[R] rows: returns the ok flags bool[R], the
         hit tokens claimed and the copies {(row, group): (source, destination, valid tokens)}.
 
-        Rows that take, release, claim or index no block and ask for no whole-request gate only advance
-        their counts; the others go through `_allocate_rows`, vectorised over [rows, G] with Python loops
-        over the blocks they move. Configs with state groups or hits inside blocks send every row."""
+        With a prefix cache whose hits end at block boundaries and no state groups, one compiled loop
+        (`jaxkv.core.host_step`). Otherwise rows that take, release, claim or index no block and ask for no
+        whole-request gate only advance their counts; the others go through `_allocate_rows`, vectorised
+        over [rows, G] with Python loops over the blocks they move (configs with state groups or hits
+        inside blocks send every row)."""
         slots = np.asarray(slots, np.int64)
         k = np.asarray(num_new_tokens, np.int64)
         if num_lookahead_tokens is not None:
@@ -193,6 +201,8 @@ class HostState:
         parts = [num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, num_lookahead_tokens]
         if self.prefix is not None and (self.partial or _MAMBA in self.kind):
             return self._allocate_rows(slots, num_new_tokens, parts)
+        if self.prefix is not None:
+            return self._allocate_compiled(slots, k, parts)
         rules, n = self.group_rules, self.num_computed[slots]
         table_len = -(-n[:, None] // rules.block_size)
         work = (-(-(n + k)[:, None] // rules.block_size) > table_len).any(axis=1)
@@ -225,6 +235,26 @@ class HostState:
                 first = trivial & (n == 0)
                 self.shared_len[slots[first]] = np.maximum(np.asarray(num_shared_tokens)[first], 0)
         return ok, num_hit, copies
+
+    def _allocate_compiled(self, slots, k, parts) -> tuple[np.ndarray, int, dict]:
+        """`allocate` as `host_step.allocate` (k: new tokens, lookahead included)."""
+        num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, num_lookahead_tokens = parts
+
+        def rows(x):
+            return np.zeros(len(slots), np.int64) if x is None else np.ascontiguousarray(x, np.int64)
+
+        if num_prompt_tokens is not None:
+            prompt = np.asarray(num_prompt_tokens, np.int64)
+            self.prompt_len[slots[prompt > 0]] = prompt[prompt > 0]
+        self.num_passes += 1
+        num_ok, num_hit, self.num_free = host_step.allocate(
+            slots, k, rows(num_lookahead_tokens), rows(num_hit_tokens), rows(num_full_tokens),
+            rows(num_shared_tokens), num_shared_tokens is not None, self._rules, self.windowed, self.unit,
+            self.num_free, self.tables, self.first_live, self.num_computed, self.num_cached, self.shared_len,
+            self.num_hashed, self.keys, self.num_passes, self.ways, self.slots, self.block_slot, self.group_of,
+            self.cached_in_pass, self.ref, self.nxt, self.prv,
+        )  # fmt: skip
+        return np.arange(len(slots)) < num_ok, num_hit, {}
 
     def _allocate_rows(self, slots, num_new_tokens, parts) -> tuple[np.ndarray, int, dict]:
         """`allocate` of every given row; `parts`: its optional arguments after `num_new_tokens`, in order."""

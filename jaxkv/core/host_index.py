@@ -117,34 +117,46 @@ def cache(key, groups, blocks, replace, pass_id, ways, slots, block_slot, group_
 
 
 @_jit(
+    "void(int64, int64[::1], int64[::1], int64[::1], int32[:, :, ::1], uint32[:, :, ::1], int32, int64,"
+    f" {_INDEX}, {_POOL})"
+)
+def index_row(
+    s, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv
+):
+    """Indexes slot s's blocks [start, end) of `tables[g, s]`, per group g, one entry per block-end unit (block j
+    ends at unit (j + 1) · step[g] − 1), in unit order, each holding the groups' blocks that end there (null
+    table entries left out)."""
+    num_groups = step.shape[0]
+    groups, blocks = np.empty(num_groups, np.int64), np.empty(num_groups, np.int32)
+    lo, hi = -1, 0
+    for g in range(num_groups):
+        if end[g] > start[g]:
+            first = (start[g] + 1) * step[g] - 1
+            lo = first if lo < 0 else min(lo, first)
+            hi = max(hi, end[g] * step[g])
+    for unit in range(max(lo, 0), hi):
+        k = 0
+        for g in range(num_groups):
+            j = (unit + 1) // step[g] - 1
+            if (unit + 1) % step[g] == 0 and start[g] <= j < end[g] and tables[g, s, j] != 0:
+                groups[k], blocks[k] = g, tables[g, s, j]
+                k += 1
+        if k:
+            cache(keys[s, unit], groups[:k], blocks[:k], True, pass_id, ways, slots, block_slot, group_of,
+                  cached_in_pass, ref, nxt, prv)  # fmt: skip
+
+
+@_jit(
     "void(int64[::1], int64[:, ::1], int64[:, ::1], int64[::1], int32[:, :, ::1], uint32[:, :, ::1], int32, int64,"
     f" {_INDEX}, {_POOL})"
 )
 def index_rows(
     rows, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv
 ):
-    """An allocation's caching pass: per row (slot `rows[i]`) and group g, the blocks [start, end) of
-    `tables[g, slot]` are indexed, one entry per block-end unit (block j ends at unit (j + 1) · step[g] − 1), in
-    unit order, each holding the groups' blocks that end there (null table entries left out)."""
-    num_groups = step.shape[0]
-    groups, blocks = np.empty(num_groups, np.int64), np.empty(num_groups, np.int32)
+    """An allocation's caching pass: `index_row` of each row (slot `rows[i]`, [start[i], end[i]))."""
     for i in range(rows.shape[0]):
-        s, lo, hi = rows[i], -1, 0
-        for g in range(num_groups):
-            if end[i, g] > start[i, g]:
-                first = (start[i, g] + 1) * step[g] - 1
-                lo = first if lo < 0 else min(lo, first)
-                hi = max(hi, end[i, g] * step[g])
-        for unit in range(max(lo, 0), hi):
-            k = 0
-            for g in range(num_groups):
-                j = (unit + 1) // step[g] - 1
-                if (unit + 1) % step[g] == 0 and start[i, g] <= j < end[i, g] and tables[g, s, j] != 0:
-                    groups[k], blocks[k] = g, tables[g, s, j]
-                    k += 1
-            if k:
-                cache(keys[s, unit], groups[:k], blocks[:k], True, pass_id, ways, slots, block_slot, group_of,
-                      cached_in_pass, ref, nxt, prv)  # fmt: skip
+        index_row(rows[i], start[i], end[i], step, tables, keys, pass_id, ways, slots, block_slot, group_of,
+                  cached_in_pass, ref, nxt, prv)  # fmt: skip
 
 
 FULL, SLIDING, CHUNKED, STATE = range(4)  # group kinds

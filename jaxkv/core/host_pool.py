@@ -120,20 +120,27 @@ def release(blocks, evict_first, nxt, prv, ref, group_of):
     return freed
 
 
+@_jit(f"int64(int32[:, :, ::1], int64, int64, int64, int64, int64, {_ARRAYS})")
+def release_range(tables, g, s, lo, hi, evict_from, nxt, prv, ref, group_of):
+    """Releases `tables[g, s, lo:hi]`, last entry first, and nulls it; entries from `evict_from` on (-1: none)
+    go to the front even where cached, before the others. Returns how many blocks became free."""
+    freed = 0
+    cut = hi if evict_from < 0 else min(max(evict_from, lo), hi)
+    for j in range(hi - 1, cut - 1, -1):
+        freed += _release_one(tables[g, s, j], True, nxt, prv, ref, group_of)
+    for j in range(cut - 1, lo - 1, -1):
+        freed += _release_one(tables[g, s, j], False, nxt, prv, ref, group_of)
+    tables[g, s, lo:hi] = NULL_BLOCK
+    return freed
+
+
 @_jit(f"int64(int32[:, :, ::1], int64[:, :], {_ARRAYS})")
 def release_ranges(tables, ranges, nxt, prv, ref, group_of):
-    """Releases table entries, range by range: int64[R, 5] rows (group, slot, lo, hi, evict_from) release
-    `tables[group, slot, lo:hi]`, last entry first, and null them; entries from `evict_from` on (-1: none) go to
-    the front even where cached, before the others. Returns how many blocks became free."""
+    """`release_range` of each int64[R, 5] row (group, slot, lo, hi, evict_from), in order."""
     freed = 0
     for r in range(ranges.shape[0]):
         g, s, lo, hi, evict_from = ranges[r, 0], ranges[r, 1], ranges[r, 2], ranges[r, 3], ranges[r, 4]
-        cut = hi if evict_from < 0 else min(max(evict_from, lo), hi)
-        for j in range(hi - 1, cut - 1, -1):
-            freed += _release_one(tables[g, s, j], True, nxt, prv, ref, group_of)
-        for j in range(cut - 1, lo - 1, -1):
-            freed += _release_one(tables[g, s, j], False, nxt, prv, ref, group_of)
-        tables[g, s, lo:hi] = NULL_BLOCK
+        freed += release_range(tables, g, s, lo, hi, evict_from, nxt, prv, ref, group_of)
     return freed
 
 

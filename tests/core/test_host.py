@@ -19,6 +19,9 @@ from jaxkv.prefix.state import PrefixCacheConfig
 NUM_SLOTS = 4
 CASES = {
     "full_sw": (make_cfg(18, full(2), sliding(2, 4)), None),
+    # Hits at block boundaries, no state group: `host_step`'s compiled allocation, with chunks and mixed blocks.
+    "windows_chunks": (make_cfg(24, full(2), sliding(2, 4), chunked(2, 4)), None),
+    "mixed_windows": (make_cfg(30, full(2), sliding(4, 6), chunked(4, 8)), None),
     "all_kinds": (make_cfg(30, full(2), sliding(2, 4), chunked(2, 4), mamba(2)), None),
     "mixed_block_sizes": (make_cfg(40, full(2), sliding(4, 6), mamba(4)), None),
     "unit_below_block": (make_cfg(24, full(4), sliding(4, 6)), 2),

@@ -1,0 +1,201 @@
+"""The host backend's allocation as one compiled loop, for a prefix cache whose hits end at block boundaries
+and configs without state groups (no copies, no prompt-tail entries): `jaxkv.core.host.HostState.allocate`'s
+outcome, block id for block id, without a numpy call per phase.
+
+Dimensions: R rows, G groups, S slots, M table entries per request, N blocks.
+
+The phases, in the order of `jaxkv.core.step` (each over all rows before the next):
+    plan claims    rows with a hit probe the index for its blocks (a claim missing a block is refused)
+    gate           vLLM's sequential outcome: each row sees the blocks the rows before it take and free;
+                   the first row that does not fit, fails its whole-request gate or its claim stops the batch
+    claim hits     the rows that succeed take their hit's blocks
+    release        rows before the stop (and a failed one whose gate passed) release entries behind their
+                   windows; a windowed group's blocks from the shared length on go to the front
+    take blocks    the rows that succeed pop new blocks (popped cached blocks leave the index)
+    index          one caching pass over the rows that succeed
+
+Rules (int64[G] each): block size, kind, keep_from_idx's (offset, unit, scale, div), windowed (bool[G]: sliding or
+chunked), units per block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxkv.core.host_index import _INDEX, _POOL, _unindex, find, index_row
+from jaxkv.core.host_pool import _jit, release_range, unlink
+from jaxkv.prefix.index import FIELDS
+
+
+@_jit("int64(int64, int64, int64, int64, int64)")
+def _keep_from(n, offset, unit, scale, div):
+    """`jaxkv.core.state.keep_from_idx` of one group."""
+    return max(n + offset, 0) // unit * scale // div
+
+
+@_jit(
+    "UniTuple(int64, 3)(int64, int64, int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], boolean,"
+    " int64[::1], int64[::1], boolean[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], boolean[::1], int64, int64,"
+    " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
+    f" int32, int64, {_INDEX}, {_POOL}, int64[::1])"
+)
+def _apply(
+    num_ok, gated, slots_of, new, lookahead, hits, shared, record_shared, n, n_eff, hit_ok, keep, need,
+    rules, windowed, unit, num_free, tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
+    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, entries,
+):  # fmt: skip
+    """The phases after the gate: rows [0, num_ok) succeed, rows [0, gated) without a hit release."""
+    num_groups = rules.shape[1]
+    block_size, step = rules[0], rules[6]
+    num_hit = 0
+    for i in range(num_ok):  # claim hits
+        if not hit_ok[i]:
+            continue
+        s, h = slots_of[i], n_eff[i]
+        num_hit += h
+        for u in range(h // unit):
+            entries[u] = find(slots, ways, keys[s, u])
+        for g in range(num_groups):
+            first = _keep_from(h, rules[2, g], rules[3, g], rules[4, g], rules[5, g])
+            for j in range(first, h // block_size[g]):
+                block = slots[entries[(j + 1) * step[g] - 1], FIELDS + g]
+                if ref[block] == 0:
+                    unlink(nxt, prv, block)
+                    num_free -= 1
+                ref[block] += 1
+                tables[g, s, j] = block
+            first_live[s, g] = first
+        num_computed[s] = h
+    for i in range(gated):  # release behind the windows
+        if hits[i]:
+            continue
+        s = slots_of[i]
+        for g in range(num_groups):
+            if keep[i, g] > first_live[s, g]:
+                evict_from = shared_len[s] // block_size[g] if windowed[g] and shared_len[s] > 0 else -1
+                num_free += release_range(tables, g, s, first_live[s, g], keep[i, g], evict_from, nxt, prv, ref,
+                                          group_of)  # fmt: skip
+        for g in range(num_groups):
+            first_live[s, g] = keep[i, g]
+    for i in range(num_ok):  # take blocks
+        s = slots_of[i]
+        for g in range(num_groups):
+            first_new = -(-n_eff[i] // block_size[g])
+            for j in range(first_new, first_new + need[i, g]):
+                block = nxt[0]
+                unlink(nxt, prv, block)
+                ref[block] = 1
+                group_of[block] = -1
+                if block_slot[block] >= 0:  # a popped cached block leaves the index
+                    _unindex(block, slots, block_slot)
+                tables[g, s, j] = block
+                num_free -= 1
+        num_computed[s] = n_eff[i] + new[i]
+    if num_ok:  # index: one caching pass
+        start = np.empty(num_groups, np.int64)
+        end = np.empty(num_groups, np.int64)
+        for i in range(num_ok):
+            s = slots_of[i]
+            done = num_computed[s]
+            for g in range(num_groups):
+                start[g] = n_eff[i] // block_size[g] if hit_ok[i] else num_cached[s, g]
+                end[g] = min(min(num_hashed[s] * unit, done - lookahead[i]), done) // block_size[g]
+            index_row(s, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass,
+                      ref, nxt, prv)  # fmt: skip
+            for g in range(num_groups):
+                num_cached[s, g] = max(start[g], end[g])
+            if record_shared and n[i] == 0:
+                shared_len[s] = max(shared[i], 0)
+    return num_ok, num_hit, num_free
+
+
+@_jit(
+    "UniTuple(int64, 3)(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], boolean,"
+    " int64[:, ::1], boolean[::1], int64, int64,"  # rows' inputs; rules (block size .. step), windowed; unit, free
+    " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
+    f" int32, int64, {_INDEX}, {_POOL})"
+)
+def allocate(
+    slots_of, new, lookahead, hits, full, shared, record_shared,
+    rules, windowed, unit, num_free,
+    tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
+    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
+):  # fmt: skip
+    """One allocation of int64[R] rows: slot, new tokens (lookahead included), lookahead tokens, hit tokens
+    (0: none), whole-request tokens (0: no gate), shared length (recorded on a request's first allocation where
+    `record_shared`). `rules`: int64[7, G] (block size, max blocks, keep offset, unit, scale, div, units per
+    block). Returns (rows that succeed, hit tokens claimed, free blocks after)."""
+    num_rows, num_groups = slots_of.shape[0], rules.shape[1]
+    block_size, max_blocks, step = rules[0], rules[1], rules[6]
+    n = np.empty(num_rows, np.int64)
+    n_eff = np.empty(num_rows, np.int64)
+    hit_ok = np.zeros(num_rows, np.bool_)
+    cost = np.zeros(num_rows, np.int64)  # blocks the row takes: new ones and free ones its claim takes
+    taken_free = np.zeros(num_rows, np.int64)
+    freed = np.zeros(num_rows, np.int64)
+    keep = np.empty((num_rows, num_groups), np.int64)
+    need = np.empty((num_rows, num_groups), np.int64)
+    claimed = np.zeros(ref.shape[0], np.bool_)  # blocks this call's claims name
+    entries = np.empty(keys.shape[1], np.int64)
+    for i in range(num_rows):
+        s = slots_of[i]
+        n[i] = n_eff[i] = num_computed[s]
+        h = hits[i]
+        if h == 0:
+            continue
+        # Plan the claim: valid where the request computed nothing, the hit is whole units and blocks of every
+        # group, and each block the groups' rules need is indexed.
+        valid = n[i] == 0 and h % unit == 0 and h <= num_hashed[s] * unit
+        for g in range(num_groups):
+            valid = valid and h % block_size[g] == 0
+        if not valid:
+            continue
+        for u in range(h // unit):
+            entries[u] = find(slots, ways, keys[s, u])
+        for g in range(num_groups):
+            first = _keep_from(h, rules[2, g], rules[3, g], rules[4, g], rules[5, g])
+            for j in range(first, h // block_size[g]):
+                e = entries[(j + 1) * step[g] - 1]
+                block = slots[e, FIELDS + g] if e >= 0 else 0
+                if block == 0:
+                    valid = False
+                else:
+                    if ref[block] == 0 and not claimed[block]:
+                        taken_free[i] += 1
+                    claimed[block] = True  # a refused claim's blocks count as claimed too
+        hit_ok[i] = valid
+        if valid:
+            n_eff[i] = h
+    take_before, free_before = 0, num_free
+    num_ok, gated = num_rows, num_rows
+    for i in range(num_rows):
+        s = slots_of[i]
+        cost[i] = taken_free[i]
+        full_need = 0
+        for g in range(num_groups):
+            bs = block_size[g]
+            table_len = -(-n_eff[i] // bs)
+            kept = _keep_from(n_eff[i], rules[2, g], rules[3, g], rules[4, g], rules[5, g])
+            keep[i, g] = max(first_live[s, g], min(kept, table_len))
+            need[i, g] = -(-(n_eff[i] + new[i]) // bs) - table_len
+            cost[i] += need[i, g]
+            if full[i] > 0:
+                full_need += max(0, min(-(-full[i] // bs), max_blocks[g]) - table_len)
+            if hits[i] == 0:  # blocks its releases free: held by it alone, claimed by no row
+                for j in range(first_live[s, g], keep[i, g]):
+                    block = tables[g, s, j]
+                    if ref[block] == 1 and not claimed[block]:
+                        freed[i] += 1
+        gate = full[i] <= 0 or take_before + full_need + taken_free[i] <= free_before
+        fits = take_before + cost[i] <= free_before + freed[i] and (hit_ok[i] or hits[i] == 0)
+        if not (fits and gate):
+            num_ok = i
+            gated = i + 1 if gate else i
+            break
+        take_before += cost[i]
+        free_before += freed[i]
+    return _apply(
+        num_ok, gated, slots_of, new, lookahead, hits, shared, record_shared, n, n_eff, hit_ok, keep, need,
+        rules, windowed, unit, num_free, tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
+        pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, entries,
+    )  # fmt: skip
