@@ -97,6 +97,7 @@ class HostState:
             for g in groups
         ]
         self.group_rules = group_rules(cfg)
+        self._block_size = self.group_rules.block_size.astype(np.int64)
         self.windowed = np.isin(self.group_rules.kind, (SLIDING_WINDOW, CHUNKED_LOCAL))
         n = cfg.num_blocks
         self.ref, self.group_of, self.nxt, self.prv = pool.new_pool(n)
@@ -414,8 +415,9 @@ class HostState:
         written = [self.num_computed[s] for s in slots] if num_written is None else num_written
         ran = [s for s, w in zip(slots, written) if w >= self.num_computed[s]]
         if self.prefix is not None:
-            for s in ran:
-                self._cache_state_blocks(s)
+            if _MAMBA in self.kind:
+                for s in ran:
+                    self._cache_state_blocks(s)
             self._register_tails(ran, move=False)
             ran_set = set(ran)
             for s, w in zip(slots, written):
@@ -427,14 +429,11 @@ class HostState:
                     for block in self.tables[g, s, w // self.block_size[g] :].tolist():
                         if block != NULL_BLOCK and self.group_of[block] >= 0:
                             self._uncache(block)
-        # Slot by slot, group by group; entries past the count are never held.
         rows = np.asarray(slots, np.int64)
-        hi = -(-self.num_computed[rows][:, None] // self.group_rules.block_size)
-        groups = np.broadcast_to(np.arange(self.num_groups), hi.shape)
-        lo, slot_of = self.first_live[rows], np.broadcast_to(rows[:, None], hi.shape)
-        self._release_ranges(np.stack([groups, slot_of, lo, hi, np.full(hi.shape, -1)], axis=2))
-        self.first_live[rows] = 0
-        self.num_computed[rows] = 0
+        self.num_free += pool.free_slots(
+            rows, self.num_computed, self.first_live, self._block_size, self.tables, self.nxt, self.prv, self.ref,
+            self.group_of,
+        )  # fmt: skip
         if self.prefix is not None:
             self.num_hashed[rows] = 0
             self.shared_len[rows] = self.prompt_len[rows] = self.num_cached[rows] = 0

@@ -134,6 +134,20 @@ def release_range(tables, g, s, lo, hi, evict_from, nxt, prv, ref, group_of):
     return freed
 
 
+@_jit(f"int64(int64[::1], int64[::1], int64[:, ::1], int64[::1], int32[:, :, ::1], {_ARRAYS})")
+def free_slots(rows, num_computed, first_live, block_size, tables, nxt, prv, ref, group_of):
+    """Releases the held table entries of slots `rows`, slot by slot, group by group (`release_range` of
+    [first_live, the count's table length)), and zeroes their counts. Returns how many blocks became free."""
+    freed = 0
+    for s in rows:
+        for g in range(block_size.shape[0]):
+            hi = -(-num_computed[s] // block_size[g])
+            freed += release_range(tables, g, s, first_live[s, g], hi, -1, nxt, prv, ref, group_of)
+            first_live[s, g] = 0
+        num_computed[s] = 0
+    return freed
+
+
 @_jit(f"int64(int32[:, :, ::1], int64[:, :], {_ARRAYS})")
 def release_ranges(tables, ranges, nxt, prv, ref, group_of):
     """`release_range` of each int64[R, 5] row (group, slot, lo, hi, evict_from), in order."""

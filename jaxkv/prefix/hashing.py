@@ -34,6 +34,7 @@ from __future__ import annotations
 import array
 import hashlib
 import pickle
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -221,24 +222,25 @@ class UnitHasher:
         num_new = len(self._pending) // self.unit
         if num_new == 0:  # the common decode step: about 0.5 µs
             return _NO_KEYS
-        tokens = np.frombuffer(self._pending, np.uint32)
-        full, self._pending = tokens[: num_new * self.unit], array.array("I", tokens[num_new * self.unit :].tobytes())
-        first = self.num_units
-        new = self._hash_vllm(full, first) if self.mode == "vllm" else self._hash_jaxkv(full, first)
-        keys = digests_to_keys(new)
-        if self.num_units + len(new) > len(self._keys):
-            grown = np.zeros((2 * (self.num_units + len(new)), KEY_WORDS), np.uint32)
-            grown[: self.num_units] = self.keys
+        full = self._pending[: num_new * self.unit]
+        del self._pending[: num_new * self.unit]
+        first, end = self.num_units, self.num_units + num_new
+        new = self._hash_vllm(full.tolist(), first) if self.mode == "vllm" else self._hash_jaxkv(full, first)
+        if end > len(self._keys):
+            grown = np.zeros((2 * end, KEY_WORDS), np.uint32)
+            grown[:first] = self.keys
             self._keys = grown
-        self._keys[self.num_units : self.num_units + len(new)] = keys
+        self._keys[first:end] = np.frombuffer(b"".join([digest[:16] for digest in new]), "<u4").reshape(-1, KEY_WORDS)
         self.digests += new
-        return keys
+        return self._keys[first:end]
 
-    def _hash_jaxkv(self, tokens: np.ndarray, first: int) -> list[bytes]:
+    def _hash_jaxkv(self, tokens: array.array, first: int) -> list[bytes]:
         # Unit i's message after its parent: tag | u32 unit | uint32[unit] tokens | the request's keys;
         # the salted first unit and units with their own keys end with their own keys.
         num_units = len(tokens) // self.unit
-        data, width = tokens.astype("<u4", copy=False).tobytes(), 4 * self.unit
+        if sys.byteorder == "big":
+            tokens.byteswap()  # little-endian words
+        data, width = tokens.tobytes(), 4 * self.unit
         head, common = self._message_head, self._common_keys
         special = {i for i in self._unit_keys if first <= i < first + num_units}
         if self._salt_keys and first == 0:
@@ -252,8 +254,7 @@ class UnitHasher:
             out.append(parent)
         return out
 
-    def _hash_vllm(self, tokens: np.ndarray, first: int) -> list[bytes]:
-        token_list = tokens.tolist()  # Python ints: numpy scalars would pickle differently
+    def _hash_vllm(self, token_list: list[int], first: int) -> list[bytes]:
         sha256, dumps, unit = hashlib.sha256, pickle.dumps, self.unit
         parent = self.digests[-1] if self.digests else VLLM_NONE_HASH
         out = []
