@@ -583,7 +583,7 @@ class KVCacheManager:
                 )
             full[:] = np.where(must_fit, num_tokens, 0)
         if self._host is not None:
-            return self._allocate_host(slots, num_new, hits, full, lookahead)
+            return self._allocate_host(slots, num_new, hits, full, lookahead, num_computed, num_tokens)
         if len(self._pending_free) > FREE_ROWS:
             self._flush_frees()
         if self.prefix_config is not None and self._num_uploads > UPLOAD_ROWS:
@@ -674,13 +674,12 @@ class KVCacheManager:
         self._check()
         return ok
 
-    def _allocate_host(self, slots, num_new, hits, full, lookahead) -> np.ndarray:
+    def _allocate_host(self, slots, num_new, hits, full, lookahead, num_computed, num_tokens) -> np.ndarray:
         """`allocate_slots_batch` on the host state, in place."""
-        host, caching = self._held_host(), self.prefix_config is not None
-        num_computed, num_tokens = self._num_computed[slots], self._num_tokens[slots]
+        host, caching, speculating = self._held_host(), self.prefix_config is not None, self.num_speculative_tokens
         self._num_written[slots] = num_computed  # this call says the rows' earlier steps ran
-        pending = self._pending_reject[slots]
-        if pending.any():  # rejected drafts and the last call's lookahead slots
+        pending = self._pending_reject[slots] if speculating else None
+        if speculating and pending.any():  # rejected drafts and the last call's lookahead slots
             host.roll_back(slots.tolist(), pending.tolist())
             self._pending_reject[slots] = 0
         if self._release:
@@ -698,10 +697,12 @@ class KVCacheManager:
         if copies:
             self._copies.append(np.array([copies[key] for key in sorted(copies)], np.int32))
         self.prefix_stats["claimed_hit_tokens"] += num_hit
-        drafts = np.maximum(num_computed + hits + num_new - num_tokens, 0)
-        self._num_computed[slots[ok]] += (num_new + hits)[ok]
-        self._num_written[slots[ok]] += hits[ok]  # claimed hits hold cached content
-        self._record_unverified(slots, np.where(ok, drafts, 0), np.where(ok, lookahead, 0))
+        num_ok = int(np.count_nonzero(ok))  # the rows before the first that failed
+        self._num_computed[slots[:num_ok]] += num_new[:num_ok] + hits[:num_ok]
+        self._num_written[slots[:num_ok]] += hits[:num_ok]  # claimed hits hold cached content
+        if speculating:  # without, no row has drafts or lookahead slots
+            drafts = np.maximum(num_computed + hits + num_new - num_tokens, 0)
+            self._record_unverified(slots, np.where(ok, drafts, 0), np.where(ok, lookahead, 0))
         self.last_work = None
         self._check()
         return ok
@@ -877,15 +878,15 @@ class KVCacheManager:
         The device work rides on the next allocation's dispatch (or the next read).
         """
         slots = self._slots(request_ids)
+        num_computed = self._num_computed[slots]
+        counts = num_computed + self._pending_reject[slots]  # rejected drafts still held
         if self._host is not None:
-            counts = self._num_computed[slots] + self._pending_reject[slots]  # rejected drafts still held
             written = self._num_written[slots]
-            written = np.where(written >= self._num_computed[slots], counts, written)
-            self._held_host().free(slots.tolist(), written.tolist())
-        # Requests with nothing computed hold no block; their keys on the device must go too.
-        device_counts = self._num_computed[slots] + self._pending_reject[slots]  # rejected drafts still held
-        holding = slots[(device_counts > 0) | (self._num_uploaded[slots] > 0)]
-        if holding.size and self._host is None:
+            self._held_host().free(slots.tolist(), np.where(written >= num_computed, counts, written).tolist())
+            holding = slots[:0]
+        else:  # requests with nothing computed hold no block; their keys on the device must go too
+            holding = slots[(counts > 0) | (self._num_uploaded[slots] > 0)]
+        if holding.size:
             counts = self._num_computed[holding] + self._pending_reject[holding]
             written = self._num_written[holding]
             self._pending_free.extend(holding.tolist())
@@ -903,13 +904,10 @@ class KVCacheManager:
             freed = set(slots.tolist())
             self._uploads = {s: first for s, first in self._uploads.items() if s not in freed}
             self._num_uploads = sum(len(self._keys[s]) - first for s, first in self._uploads.items())
-        self._num_tokens[slots] = 0
-        self._num_computed[slots] = 0
-        self._pending_reject[slots] = self._num_drafts[slots] = self._lookahead[slots] = 0
-        self._num_uploaded[slots] = 0
-        self._num_keys[slots] = 0
-        self._first_live[slots] = 0
-        self._num_cached[slots] = 0
+        self._num_tokens[slots] = self._num_computed[slots] = self._pending_reject[slots] = 0
+        self._num_drafts[slots] = self._lookahead[slots] = self._num_keys[slots] = 0
+        if self._host is None:  # the host state holds these itself
+            self._num_uploaded[slots] = self._first_live[slots] = self._num_cached[slots] = 0
         self._free_slots.extend(slots.tolist())
         if self.debug_checks:
             self._flush_frees() if self._host is None else self._check()
