@@ -100,7 +100,9 @@ class HostState:
         self._block_size = self.group_rules.block_size.astype(np.int64)
         self.windowed = np.isin(self.group_rules.kind, (SLIDING_WINDOW, CHUNKED_LOCAL))
         n = cfg.num_blocks
-        self.ref, self.group_of, self.nxt, self.prv = pool.new_pool(n)
+        # Per block: ref, group_of, nxt, prv, block_slot and cached_in_pass, views of one array's columns.
+        self._block_fields = pool.new_pool(n)
+        self.ref, self.group_of, self.nxt, self.prv = (self._block_fields[:, i] for i in range(4))
         self.num_free = n - 1
         self.tables = np.zeros((num_groups, max_num_seqs, max_blocks_per_request(cfg)), np.int32)
         self.first_live = np.zeros((max_num_seqs, num_groups), np.int64)
@@ -110,8 +112,8 @@ class HostState:
             self.ways = prefix.ways
             self.num_buckets = num_buckets_for(num_index_entries(cfg), prefix.ways)
             self.slots = np.zeros((self.num_buckets * self.ways, FIELDS + num_groups), np.uint32)
-            self.block_slot = np.full(n, NOT_INDEXED, np.int32)
-            self.cached_in_pass = np.zeros(n, np.int32)
+            self.block_slot, self.cached_in_pass = self._block_fields[:, 4], self._block_fields[:, 5]
+            self.block_slot[:] = NOT_INDEXED
             self.num_passes = 0  # caching passes so far: the current one's id
             self.keys = np.zeros((max_num_seqs, prefix.num_units(cfg), HASH_WORDS), np.uint32)
             self.num_hashed = np.zeros(max_num_seqs, np.int64)

@@ -129,8 +129,8 @@ def load_state(host, state: ManagerState) -> None:
     state = jax.device_get(state)
     pool = state.pool
     block_group = np.asarray(pool.block_group)
-    host.ref = np.array(pool.ref_cnt, np.int32)
-    host.group_of = np.array(block_group, np.int32)
+    host.ref[:] = pool.ref_cnt
+    host.group_of[:] = block_group
     host.set_free_order(free_order(pool))
     host.tables = np.array(state.block_tables, np.int32)
     host.first_live = np.asarray(state.first_live_idx, np.int64).T.copy()
@@ -141,7 +141,7 @@ def load_state(host, state: ManagerState) -> None:
     slots = np.asarray(prefix.index.slots)
     host.num_buckets, host.ways = slots.shape[:2]
     host.slots = slots.reshape(-1, slots.shape[-1]).copy()
-    host.block_slot = np.array(prefix.index.block_slot, np.int32)
+    host.block_slot[:] = prefix.index.block_slot
     host.keys = np.array(prefix.req_hashes, np.uint32)
     host.num_hashed = np.asarray(prefix.num_hashed_units, np.int64).copy()
     host.num_cached = np.asarray(prefix.num_cached_blocks, np.int64).T.copy()

@@ -21,8 +21,8 @@ import numpy as np
 from jaxkv.core.host_pool import _jit, push_front, unlink
 from jaxkv.prefix.index import COUNT_WORD, FIELDS
 
-_INDEX = "uint32[:, ::1], int32[::1], int32[::1]"  # slots, block_slot, group_of
-_POOL = "int32[::1], int32[::1], int32[::1], int32[::1]"  # cached_in_pass, ref, nxt, prv
+_INDEX = "uint32[:, ::1], int32[:], int32[:]"  # slots, block_slot, group_of
+_POOL = "int32[:], int32[:], int32[:], int32[:]"  # cached_in_pass, ref, nxt, prv
 
 
 @_jit("int64(uint32[:, ::1], int64, uint32[::1])")
@@ -54,7 +54,7 @@ def probe(slots, ways, keys):
     return out
 
 
-@_jit("void(int64, uint32[:, ::1], int32[::1])")
+@_jit("void(int64, uint32[:, ::1], int32[:])")
 def _unindex(block, slots, block_slot):
     e, g = divmod(block_slot[block], slots.shape[1] - FIELDS)
     slots[e, FIELDS + g] = 0
@@ -69,7 +69,7 @@ def uncache(block, slots, block_slot, group_of):
     group_of[block] = -1
 
 
-@_jit("void(int32[::1], uint32[:, ::1], int32[::1])")
+@_jit("void(int32[::1], uint32[:, ::1], int32[:])")
 def evict(blocks, slots, block_slot):
     """Takes the indexed ones of `blocks` (popped, so no longer cached) out of the index."""
     for i in range(blocks.shape[0]):

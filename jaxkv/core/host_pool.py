@@ -9,6 +9,9 @@ Dimensions: N blocks (block 0, the null block, included), K blocks passed to one
     nxt, prv  int32[N]   the free order as a doubly linked list through the free blocks, block 0 its sentinel
                          (never free): `nxt[0]` is popped first, `prv[0]` is the last
 
+(columns of one int32[N, 8] array, `new_pool`, so that a block's fields share a cache line; the loops take
+any strides).
+
 A released block that is not cached (or is released with `evict_first`) goes to the front, so it is reused
 first; a released cached block goes to the back, so the least recently freed cached block is evicted first;
 a hit on a free block unlinks it from the middle. The order equals `jaxkv.core.pool`'s ring without its stale
@@ -29,16 +32,16 @@ def _jit(signature):
     return numba.njit(signature, cache=True, nogil=True)
 
 
-_ARRAYS = "int32[::1], int32[::1], int32[::1], int32[::1]"  # nxt, prv, ref, group_of
+_ARRAYS = "int32[:], int32[:], int32[:], int32[:]"  # nxt, prv, ref, group_of (columns of one array)
 
 
-def new_pool(num_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(ref, group_of, nxt, prv) of a pool whose blocks 1..N-1 are all free, in id order."""
-    ref = np.zeros(num_blocks, np.int32)
-    group_of = np.full(num_blocks, -1, np.int32)
-    nxt, prv = np.zeros(num_blocks, np.int32), np.zeros(num_blocks, np.int32)
-    set_order(nxt, prv, np.arange(1, num_blocks, dtype=np.int32))
-    return ref, group_of, nxt, prv
+def new_pool(num_blocks: int) -> np.ndarray:
+    """int32[N, 8]: per block (ref, group_of, nxt, prv) and four more columns (the index's), one block's fields
+    in one cache line: a pool whose blocks 1..N-1 are all free, in id order."""
+    fields = np.zeros((num_blocks, 8), np.int32)
+    fields[:, 1] = -1
+    set_order(fields[:, 2], fields[:, 3], np.arange(1, num_blocks, dtype=np.int32))
+    return fields
 
 
 def set_order(nxt: np.ndarray, prv: np.ndarray, order: np.ndarray) -> None:
@@ -48,7 +51,7 @@ def set_order(nxt: np.ndarray, prv: np.ndarray, order: np.ndarray) -> None:
     prv[chain[1:]] = chain[:-1]
 
 
-@_jit("int32[::1](int32[::1], int64)")
+@_jit("int32[::1](int32[:], int64)")
 def free_order(nxt, num_free):
     """int32[F]: the free blocks, first popped first."""
     out = np.empty(num_free, np.int32)
@@ -59,14 +62,14 @@ def free_order(nxt, num_free):
     return out
 
 
-@_jit("void(int32[::1], int32[::1], int64)")
+@_jit("void(int32[:], int32[:], int64)")
 def unlink(nxt, prv, b):
     p, q = prv[b], nxt[b]
     nxt[p] = q
     prv[q] = p
 
 
-@_jit("void(int32[::1], int32[::1], int64)")
+@_jit("void(int32[:], int32[:], int64)")
 def push_front(nxt, prv, b):
     h = nxt[0]
     nxt[0] = b
@@ -75,7 +78,7 @@ def push_front(nxt, prv, b):
     prv[h] = b
 
 
-@_jit("void(int32[::1], int32[::1], int64)")
+@_jit("void(int32[:], int32[:], int64)")
 def _push_back(nxt, prv, b):
     t = prv[0]
     prv[0] = b
@@ -158,7 +161,7 @@ def release_ranges(tables, ranges, nxt, prv, ref, group_of):
     return freed
 
 
-@_jit("int64(int32[::1], int32[::1], int32[::1], int32[::1])")
+@_jit("int64(int32[::1], int32[:], int32[:], int32[:])")
 def claim(blocks, nxt, prv, ref):
     """Adds a holder to each of int[K] blocks in order (a free one leaves the free order); returns how many were
     free."""
@@ -172,7 +175,7 @@ def claim(blocks, nxt, prv, ref):
     return taken
 
 
-@_jit("int64[::1](int32[:, :, ::1], int64[:, :], int32[::1], boolean[::1])")
+@_jit("int64[::1](int32[:, :, ::1], int64[:, :], int32[:], boolean[::1])")
 def count_sole(tables, ranges, ref, claimed):
     """int64[R]: per (group, slot, lo, hi) row of `ranges`, the entries of `tables[group, slot, lo:hi]` held by
     that entry alone (count 1) and not in `claimed` (bool[N])."""
