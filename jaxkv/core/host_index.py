@@ -118,16 +118,16 @@ def cache(key, groups, blocks, replace, pass_id, ways, slots, block_slot, group_
 
 @_jit(
     "void(int64, int64[::1], int64[::1], int64[::1], int32[:, :, ::1], uint32[:, :, ::1], int32, int64,"
-    f" {_INDEX}, {_POOL})"
+    f" {_INDEX}, {_POOL}, int64[::1], int32[::1])"
 )
 def index_row(
-    s, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv
-):
+    s, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
+    groups, blocks,
+):  # fmt: skip
     """Indexes slot s's blocks [start, end) of `tables[g, s]`, per group g, one entry per block-end unit (block j
     ends at unit (j + 1) · step[g] − 1), in unit order, each holding the groups' blocks that end there (null
-    table entries left out)."""
+    table entries left out). `groups`, `blocks`: scratch of G entries."""
     num_groups = step.shape[0]
-    groups, blocks = np.empty(num_groups, np.int64), np.empty(num_groups, np.int32)
     lo, hi = -1, 0
     for g in range(num_groups):
         if end[g] > start[g]:
@@ -154,9 +154,10 @@ def index_rows(
     rows, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv
 ):
     """An allocation's caching pass: `index_row` of each row (slot `rows[i]`, [start[i], end[i]))."""
+    groups, blocks = np.empty(step.shape[0], np.int64), np.empty(step.shape[0], np.int32)
     for i in range(rows.shape[0]):
         index_row(rows[i], start[i], end[i], step, tables, keys, pass_id, ways, slots, block_slot, group_of,
-                  cached_in_pass, ref, nxt, prv)  # fmt: skip
+                  cached_in_pass, ref, nxt, prv, groups, blocks)  # fmt: skip
 
 
 FULL, SLIDING, CHUNKED, STATE = range(4)  # group kinds

@@ -92,8 +92,8 @@ def _apply(
                 num_free -= 1
         num_computed[s] = n_eff[i] + new[i]
     if num_ok:  # index: one caching pass
-        start = np.empty(num_groups, np.int64)
-        end = np.empty(num_groups, np.int64)
+        start, end = np.empty(num_groups, np.int64), np.empty(num_groups, np.int64)
+        groups, blocks = np.empty(num_groups, np.int64), np.empty(num_groups, np.int32)  # index_row's scratch
         for i in range(num_ok):
             s = slots_of[i]
             done = num_computed[s]
@@ -101,7 +101,7 @@ def _apply(
                 start[g] = n_eff[i] // block_size[g] if hit_ok[i] else num_cached[s, g]
                 end[g] = min(min(num_hashed[s] * unit, done - lookahead[i]), done) // block_size[g]
             index_row(s, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass,
-                      ref, nxt, prv)  # fmt: skip
+                      ref, nxt, prv, groups, blocks)  # fmt: skip
             for g in range(num_groups):
                 num_cached[s, g] = max(start[g], end[g])
             if record_shared and n[i] == 0:
