@@ -44,13 +44,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import state as st
-from jaxkv.core.host import HostState
 from jaxkv.core.host_convert import load_state, to_state
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepBatch, StepWork, allocate_step, rollback_ranges, walk_units
@@ -59,6 +59,9 @@ from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK, cdiv
 from jaxkv.prefix.hashing import HashMode, UnitHasher
 from jaxkv.prefix.state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
+
+if TYPE_CHECKING:
+    from jaxkv.core.host import HostState
 
 PREFIX_STATS = ("lookups", "lookup_tokens", "hit_tokens", "reconciliation_miss_tokens", "claimed_hit_tokens")
 FREE_ROWS = 8  # pending frees carried by one allocation; more are flushed in their own dispatch
@@ -250,7 +253,12 @@ class KVCacheManager:
         if backend == "host" and device is not None:
             raise ValueError(f"{device=} given with backend='host', whose state is host memory; drop one")
         self.backend = backend
-        self._host = HostState(cfg, self.max_num_seqs, self.prefix_config) if backend == "host" else None
+        self._host = None
+        if backend == "host":
+            # Imported here: the host backend's loops, compiled with numba, load (or compile, once) on first use.
+            from jaxkv.core.host import HostState
+
+            self._host = HostState(cfg, self.max_num_seqs, self.prefix_config)
         self._host_taken = False  # the host state was handed over (take_state)
         self._state = None
         if self._host is None:
