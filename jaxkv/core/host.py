@@ -123,7 +123,7 @@ class HostState:
             self.copies: dict[int, int] = {}  # pending copies: destination -> source (both pinned)
             self.partial = list(partial_groups(cfg, prefix))
             self.rules = [HitRule.for_spec(g.spec) for g in groups]
-            self.step = self.group_rules.block_size.astype(np.int64) // self.unit  # units per block
+            self.step = self._block_size // self.unit  # units per block
             rules = self.group_rules
             self._rules = np.stack(
                 [rules.block_size, rules.max_blocks, rules.keep_offset, rules.keep_unit, rules.keep_scale,
