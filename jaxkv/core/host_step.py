@@ -14,8 +14,9 @@ The phases, in the order of `jaxkv.core.step` (each over all rows before the nex
     take blocks    the rows that succeed pop new blocks (popped cached blocks leave the index)
     index          one caching pass over the rows that succeed
 
-Rules (int64[G] each): block size, kind, keep_from_idx's (offset, unit, scale, div), windowed (bool[G]: sliding or
-chunked), units per block.
+`rules`: int64[7, G], rows block size, max blocks per request, `keep_from_idx`'s (offset, unit, scale, div)
+and units per block; `windowed`: bool[G], sliding or chunked groups. `_apply` comes first: numba compiles
+each function when it is defined, and `allocate` calls it.
 """
 
 from __future__ import annotations
