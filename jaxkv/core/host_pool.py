@@ -1,6 +1,6 @@
 """The host backend's block pool: reference counts, cached groups and the free order as arrays, with the loops
-over a call's blocks compiled by numba (a step pops, releases and counts hundreds of blocks; as Python
-statements that was most of a step's bookkeeping, compiled it is a few microseconds).
+over a call's blocks compiled by numba (a step pops, releases and counts hundreds of blocks: as Python
+statements that was most of a step's bookkeeping, compiled it is tens of nanoseconds a block).
 
 Dimensions: N blocks (block 0, the null block, included), K blocks passed to one call, R ranges.
 
