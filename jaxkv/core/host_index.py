@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.core.host_pool import _jit, push_front, unlink
+from jaxkv.core.host_pool import _jit, link_after, unlink
 from jaxkv.prefix.index import COUNT_WORD, FIELDS
 
 _INDEX = "uint32[:, ::1], int32[:], int32[:]"  # slots, block_slot, group_of
@@ -91,7 +91,7 @@ def cache(key, groups, blocks, replace, pass_id, ways, slots, block_slot, group_
             uncache(old, slots, block_slot, group_of)
             if ref[old] == 0:
                 unlink(nxt, prv, old)
-                push_front(nxt, prv, old)
+                link_after(nxt, prv, 0, old)
     if e < 0 or slots[e, COUNT_WORD] == 0:  # a new entry (or one the replacement emptied): a free way
         if groups.shape[0] == 0:
             return

@@ -69,22 +69,12 @@ def unlink(nxt, prv, b):
     prv[q] = p
 
 
-@_jit("void(int32[:], int32[:], int64)")
-def push_front(nxt, prv, b):
-    h = nxt[0]
-    nxt[0] = b
-    prv[b] = 0
-    nxt[b] = h
-    prv[h] = b
-
-
-@_jit("void(int32[:], int32[:], int64)")
-def _push_back(nxt, prv, b):
-    t = prv[0]
-    prv[0] = b
-    nxt[b] = 0
-    prv[b] = t
-    nxt[t] = b
+@_jit("void(int32[:], int32[:], int64, int64)")
+def link_after(nxt, prv, a, b):
+    """Links block b after a in the free order (a = 0: at the front; a = prv[0]: at the back)."""
+    nxt[b], prv[b] = nxt[a], a
+    prv[nxt[a]] = b
+    nxt[a] = b
 
 
 @_jit(f"int32[::1](int64, {_ARRAYS})")
@@ -108,9 +98,9 @@ def _release_one(b, evict_first, nxt, prv, ref, group_of):
     if ref[b]:
         return 0
     if group_of[b] >= 0 and not evict_first:
-        _push_back(nxt, prv, b)
+        link_after(nxt, prv, prv[0], b)
     else:
-        push_front(nxt, prv, b)
+        link_after(nxt, prv, 0, b)
     return 1
 
 
