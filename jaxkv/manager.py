@@ -283,7 +283,9 @@ class KVCacheManager:
         self._block_sizes = tuple(g.block_size for g in cfg.groups)
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(self.max_num_seqs - 1, -1, -1))  # pop() gives the lowest slot
-        self._token_ids: list[list[int] | None] = [None] * self.max_num_seqs
+        # Prefix caching: each slot's tokens appended since its hasher last took tokens (a hasher hashes only
+        # completed units, so the manager keeps no request's whole token list).
+        self._unhashed: list[list[int] | None] = [None] * self.max_num_seqs
         self._num_tokens = np.zeros(self.max_num_seqs, np.int64)
         self._num_computed = np.zeros(self.max_num_seqs, np.int64)  # host mirror of the device's counts
         # Tokens a forward pass is known to have written: up to the last `mark_computed`, or to the start of
@@ -355,39 +357,36 @@ class KVCacheManager:
                 f"the manager already holds max_num_seqs={self.max_num_seqs} requests; "
                 f"free one before adding {request_id!r}, or raise max_num_seqs"
             )
-        token_ids = list(prompt_token_ids)
-        if not token_ids:
+        num_tokens = len(prompt_token_ids)
+        if not num_tokens:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        if len(token_ids) > self.cfg.max_model_len:
+        if num_tokens > self.cfg.max_model_len:
             raise ValueError(
-                f"request {request_id!r} has {len(token_ids)} prompt tokens, more than "
+                f"request {request_id!r} has {num_tokens} prompt tokens, more than "
                 f"max_model_len={self.cfg.max_model_len}"
             )
+        if self.prefix_config is not None:
+            if unit_hasher is None:
+                unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
+            if unit_hasher.num_tokens < num_tokens:  # a given one may lack the last tokens
+                unit_hasher.extend(prompt_token_ids[unit_hasher.num_tokens :])
         slot = self._free_slots.pop()
         self._slot_of[request_id] = slot
-        self._token_ids[slot] = token_ids
-        self._num_tokens[slot] = len(token_ids)
-        self._num_prompt[slot] = len(token_ids)
+        self._num_tokens[slot] = num_tokens
+        self._num_prompt[slot] = num_tokens
         self._num_computed[slot] = 0
         self._num_written[slot] = 0
         self._shared_len[slot] = 0
-        if self.prefix_config is not None and self._host is not None:  # the keys go to the host state now
-            if unit_hasher is None:
-                unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
-            unit_hasher.extend(token_ids[unit_hasher.num_tokens :])
-            self._host.set_keys(slot, unit_hasher.keys)
+        if self.prefix_config is not None:
+            self._unhashed[slot] = []
             self._hashers[slot] = unit_hasher
             self._num_keys[slot] = unit_hasher.num_units
-            self._num_hashed_tokens[slot] = len(token_ids)
-        elif self.prefix_config is not None:
-            if unit_hasher is None:
-                unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
-            unit_hasher.extend(token_ids[unit_hasher.num_tokens :])  # a given one may lack the last tokens
-            self._keys[slot] = unit_hasher.keys.copy()
-            self._hashers[slot] = unit_hasher
-            self._num_keys[slot] = len(self._keys[slot])
-            self._num_hashed_tokens[slot] = len(token_ids)
-            self._queue_upload(slot, 0, len(self._keys[slot]))
+            self._num_hashed_tokens[slot] = num_tokens
+            if self._host is not None:  # the keys go to the host state now
+                self._host.set_keys(slot, unit_hasher.keys)
+            else:
+                self._keys[slot] = unit_hasher.keys.copy()
+                self._queue_upload(slot, 0, unit_hasher.num_units)
 
     def get_computed_tokens(self, request_id: Hashable) -> int:
         """Tokens of the request found in the prefix cache, valid for every group; changes nothing.
@@ -449,8 +448,8 @@ class KVCacheManager:
         self.append_token_ids_batch([request_id], [new_token_ids])
 
     def append_token_ids_batch(self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]) -> None:
-        """`append_token_ids` for many requests (a step's sampled tokens): per request one list
-        extend; with prefix caching only the requests that complete a hash unit are hashed."""
+        """`append_token_ids` for many requests (a step's sampled tokens). With prefix caching, per request one
+        list extend, and only the requests that complete a hash unit are hashed; without, only counts change."""
         slots = self._slots(request_ids)
         if len(new_token_ids) != len(slots):
             raise ValueError(f"{len(new_token_ids)} token lists for {len(slots)} requests; give one per request")
@@ -462,12 +461,12 @@ class KVCacheManager:
                 f"request {request_ids[i]!r} would have {num_tokens[i]} tokens, more than "
                 f"max_model_len={self.cfg.max_model_len}"
             )
-        token_ids = self._token_ids
-        for slot, ids in zip(slots.tolist(), new_token_ids):
-            token_ids[slot].extend(ids)
         self._num_tokens[slots] = num_tokens
         self._num_written[slots] = self._num_computed[slots]
         if self.prefix_config is not None:
+            unhashed = self._unhashed
+            for slot, ids in zip(slots.tolist(), new_token_ids):
+                unhashed[slot].extend(ids)
             unit = self.prefix_config.unit
             for slot in slots[num_tokens // unit > self._num_hashed_tokens[slots] // unit].tolist():
                 self._hash_new_units(slot)
@@ -475,8 +474,9 @@ class KVCacheManager:
     def _hash_new_units(self, slot: int) -> None:
         """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload (or
         given to the host state)."""
-        hasher = self._hashers[slot]
-        new_keys = hasher.extend(self._token_ids[slot][self._num_hashed_tokens[slot] :])
+        hasher, tokens = self._hashers[slot], self._unhashed[slot]
+        self._unhashed[slot] = []
+        new_keys = hasher.extend(tokens)
         self._num_hashed_tokens[slot] = self._num_tokens[slot]
         if self._host is not None:
             self._num_keys[slot] = hasher.num_units
@@ -906,8 +906,7 @@ class KVCacheManager:
             self._num_free_blocks = None  # known again after the next dispatch (or a read)
         for request_id, slot in zip(request_ids, slots.tolist()):
             del self._slot_of[request_id]
-            self._token_ids[slot] = None
-            self._hashers[slot] = self._keys[slot] = None
+            self._hashers[slot] = self._keys[slot] = self._unhashed[slot] = None
         if self._uploads:  # keys not on the device yet of a freed request: never needed
             freed = set(slots.tolist())
             self._uploads = {s: first for s, first in self._uploads.items() if s not in freed}
