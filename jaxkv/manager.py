@@ -259,6 +259,8 @@ class KVCacheManager:
             from jaxkv.core.host import HostState
 
             self._host = HostState(cfg, self.max_num_seqs, self.prefix_config)
+        # An allocation as one compiled call, its checks and these counts included (no speculative decoding).
+        self._compiled_host = self._host is not None and self._host.compiled and not num_speculative_tokens
         self._host_taken = False  # the host state was handed over (take_state)
         self._state = None
         if self._host is None:
@@ -291,6 +293,7 @@ class KVCacheManager:
         # Tokens a forward pass is known to have written: up to the last `mark_computed`, or to the start of
         # the request's last allocation (a later call says the earlier ones' steps ran).
         self._num_written = np.zeros(self.max_num_seqs, np.int64)
+        self._host_counts = (self._num_computed, self._num_tokens, self._num_written, self._shared_len)
         self._num_free_blocks: int | None = cfg.num_blocks - 1  # None: read from the device state
         self._pending_free: list[int] = []  # slots freed on the host, not yet on the device
         self._pending_written: list[int] = []  # their tokens written (`_num_written`)
@@ -430,16 +433,12 @@ class KVCacheManager:
         return self._host
 
     def _lookup_host(self, slots: np.ndarray) -> np.ndarray:
-        hits = np.zeros(len(slots), np.int64)
-        host, stats = self._held_host(), self.prefix_stats
-        for i, slot in enumerate(slots.tolist()):
-            keys, num_tokens = host.unit_keys(slot), int(self._num_tokens[slot])
-            hits[i], self._shared_len[slot] = hit, shared = host.lookup(keys, num_tokens, self.use_eagle)
-            if len(keys):
-                stats["lookups"] += 1
-                stats["lookup_tokens"] += num_tokens
-                stats["hit_tokens"] += hit
-                stats["reconciliation_miss_tokens"] += shared - hit
+        hits = np.empty(len(slots), np.int64)
+        stats = self._held_host().lookup_rows(
+            slots.astype(np.int64), self._num_tokens, self.use_eagle, hits, self._shared_len
+        )
+        for name, value in zip(PREFIX_STATS[:4], stats):
+            self.prefix_stats[name] += value
         return hits
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
@@ -539,6 +538,10 @@ class KVCacheManager:
         and appended, per group capped at what one request can hold) fit: vLLM's
         admission gate.
         """
+        if self._compiled_host and num_lookahead_tokens is None:
+            ok = self._allocate_compiled(request_ids, num_new_tokens, num_new_computed_tokens, full_sequence_must_fit)
+            if ok is not None:
+                return ok
         slots = self._slots(request_ids)
         num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
         num_computed = self._num_computed[slots]
@@ -681,6 +684,34 @@ class KVCacheManager:
         self._record_unverified(slots, np.where(ok, drafts, 0), np.where(ok, lookahead, 0))
         self._check()
         return ok
+
+    def _allocate_compiled(self, request_ids, num_new_tokens, num_new_computed_tokens, full_sequence_must_fit):
+        """`allocate_slots_batch` as one compiled call (`HostState.allocate_checked`), or None where the call is
+        not valid (the general path names what is wrong)."""
+        num_rows = len(request_ids)
+        try:
+            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, num_rows)
+            new = np.asarray(num_new_tokens, np.int64)
+            hits = np.zeros(num_rows, np.int64)
+            if num_new_computed_tokens is not None:
+                hits = np.asarray(num_new_computed_tokens, np.int64)
+            if isinstance(full_sequence_must_fit, (bool, np.bool_)):
+                must_fit = np.full(num_rows, bool(full_sequence_must_fit))
+            else:
+                must_fit = np.asarray(full_sequence_must_fit, bool)
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not slots.shape == new.shape == hits.shape == must_fit.shape:
+            return None
+        num_ok, num_hit = self._held_host().allocate_checked(
+            slots, new, hits, must_fit, self._host_counts, self.cfg.max_model_len
+        )
+        if num_ok < 0:
+            return None
+        self.prefix_stats["claimed_hit_tokens"] += num_hit
+        self.last_work = None
+        self._check()
+        return np.arange(num_rows) < num_ok
 
     def _allocate_host(self, slots, num_new, hits, full, lookahead, num_computed, num_tokens) -> np.ndarray:
         """`allocate_slots_batch` on the host state, in place."""

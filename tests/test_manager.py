@@ -21,10 +21,15 @@ from jaxkv.prefix.index import index_entries
 
 # Full + sliding window 4 + state group, block 2, 15 usable blocks, 3 requests at most.
 CFG = make_cfg(16, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_batched_tokens=8)
+# The same without the state group: the host backend allocates in one compiled call, its checks included.
+ATTENTION_CFG = make_cfg(16, full(2), sliding(2, 4), max_model_len=16, max_num_batched_tokens=8)
+BACKENDS = [("jax", CFG), ("host", CFG), ("host", ATTENTION_CFG)]
 
 
-def manager(**kw):
-    return KVCacheManager(CFG, max_num_seqs=3, **kw)
+def manager(cfg=CFG, **kw):
+    mgr = KVCacheManager(cfg, max_num_seqs=3, **kw)
+    assert mgr._compiled_host == (cfg is ATTENTION_CFG and mgr.backend == "host")
+    return mgr
 
 
 def test_request_lifecycle():
@@ -127,8 +132,9 @@ def test_warm_up_changes_nothing():
     check_invariants(CFG, mgr.state)
 
 
-def test_errors_name_the_offending_value():
-    mgr = manager()
+@pytest.mark.parametrize("backend, cfg", BACKENDS)
+def test_errors_name_the_offending_value(backend, cfg):
+    mgr = manager(cfg, backend=backend)
     mgr.add_request("a", [1, 2, 3])
     with pytest.raises(ValueError, match="'a' was already added"):
         mgr.add_request("a", [1])
@@ -153,6 +159,20 @@ def test_errors_name_the_offending_value():
         mgr.allocate_slots_batch(["a"], [1, 1])
     with pytest.raises(ValueError, match="full_sequence_must_fit has shape"):
         mgr.allocate_slots_batch(["a"], [1], full_sequence_must_fit=[True, False])
+    mgr.add_request("b", [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="full_sequence_must_fit has shape"):
+        mgr.allocate_slots_batch(["a", "b"], [1, 1], full_sequence_must_fit=[True])
+    with pytest.raises(ValueError, match="num_new_computed_tokens=-2 for request 'b' is negative"):
+        mgr.allocate_slots_batch(["a", "b"], [1, 1], [0, -2])
+    assert mgr.allocate_slots("b", 2)
+    free = mgr.num_free_blocks
+    with pytest.raises(ValueError, match="num_new_computed_tokens=2 for request 'b'"):
+        mgr.allocate_slots_batch(["a", "b"], [1, 1], [0, 2])  # not the request's first call
+    with pytest.raises(ValueError, match="'b' has 4 tokens, 2 computed: it cannot schedule 3 more"):
+        mgr.allocate_slots_batch(["a", "b"], [1, 3])
+    # The refused calls changed nothing.
+    assert (mgr.num_computed_tokens("a"), mgr.num_computed_tokens("b"), mgr.num_free_blocks) == (0, 2, free)
+    mgr.free("b")
     with pytest.raises(ValueError, match="would have 17 tokens"):
         mgr.append_token_ids("a", list(range(14)))
     mgr.add_request("b", [1])
@@ -164,19 +184,19 @@ def test_errors_name_the_offending_value():
     with pytest.raises(TypeError, match="KVCacheConfig"):
         KVCacheManager({"num_blocks": 16})
     assert mgr.num_free_blocks == 15  # nothing above changed the pool
-    check_invariants(CFG, mgr.state)
+    check_invariants(cfg, mgr.state)
 
 
-@pytest.mark.parametrize("backend", ["jax", "host"])
+@pytest.mark.parametrize("backend, cfg", BACKENDS)
 @settings(max_examples=25, deadline=None)
 @given(st.data())
-def test_random_use_matches_model(backend, data):
+def test_random_use_matches_model(backend, cfg, data):
     """add / lookup / batched allocate (hits claimed, prefill chunks, decodes) / mark computed / free / preempt
     through the facade; the device state (block ids, prefix-cache index included) equals the model after
     every allocation. A request freed without `mark_computed` since its last allocation caches nothing
     of that step."""
-    mgr = manager(debug_checks=data.draw(st.booleans(), label="debug_checks"), backend=backend)
-    model = ModelState(CFG, 3, mgr.prefix_config)
+    mgr = manager(cfg, debug_checks=data.draw(st.booleans(), label="debug_checks"), backend=backend)
+    model = ModelState(cfg, 3, mgr.prefix_config)
     running: list[str] = []  # admission order
     tokens: dict[str, list[int]] = {}
     shared: dict[str, int] = {}  # the shared length of each request's last lookup (0: none since it was added)
@@ -244,7 +264,7 @@ def test_random_use_matches_model(backend, data):
                     mgr.add_request(rid, tokens[rid])
                     shared[rid] = 0
                     running.append(rid)
-    check_invariants(CFG, mgr.state)  # reading the state stores the pending keys
+    check_invariants(cfg, mgr.state)  # reading the state stores the pending keys
     for rid in running:
         model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
     assert_state_matches(mgr.state, model)

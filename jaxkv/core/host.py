@@ -259,6 +259,26 @@ class HostState:
         )  # fmt: skip
         return np.arange(len(slots)) < num_ok, num_hit, {}
 
+    @property
+    def compiled(self) -> bool:
+        """Whether an allocation is one compiled loop (`allocate_checked` applies): a prefix cache whose hits end
+        at block boundaries, no state groups."""
+        return self.prefix is not None and not self.partial and _MAMBA not in self.kind
+
+    def allocate_checked(self, slots, new, hits, must_fit, req_counts, max_model_len) -> tuple[int, int]:
+        """A manager's allocation call where `compiled` (`host_step.allocate_checked`): int64[R] slots, new
+        tokens and hit tokens, bool[R] whole-request flags; `req_counts`: the manager's int64[S] computed
+        tokens, tokens, written tokens and shared lengths, advanced in place. Returns (rows that succeed, hit
+        tokens claimed), or (-1, 0) with nothing changed where a row is invalid."""
+        num_ok, num_hit, self.num_free = host_step.allocate_checked(
+            slots, new, hits, must_fit, *req_counts, max_model_len, self._rules, self.windowed, self.unit,
+            self.num_free, self.tables, self.first_live, self.num_computed, self.num_cached, self.shared_len,
+            self.num_hashed, self.keys, self.num_passes + 1, self.ways, self.slots, self.block_slot, self.group_of,
+            self.cached_in_pass, self.ref, self.nxt, self.prv,
+        )  # fmt: skip
+        self.num_passes += num_ok >= 0
+        return num_ok, num_hit
+
     def _allocate_rows(self, slots, num_new_tokens, parts) -> tuple[np.ndarray, int, dict]:
         """`allocate` of every given row; `parts`: its optional arguments after `num_new_tokens`, in order."""
         num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, num_lookahead_tokens = parts
@@ -575,6 +595,24 @@ class HostState:
         if drop_last_block and hit:
             hit = self._lookup(keys, num_tokens, hit - max(self.block_size))[0]
         return hit, shared
+
+    def lookup_rows(self, slots: np.ndarray, num_tokens: np.ndarray, drop_last_block: bool, hits: np.ndarray,
+                    shared_len: np.ndarray) -> tuple[int, int, int, int]:  # fmt: skip
+        """`lookup` of each slot's own unit keys (`set_keys`) and its tokens `num_tokens[slot]` (int64[S]): row
+        i's hit into `hits[i]`, its shared length into `shared_len[slot]` (int64 arrays). Returns the rows with
+        a unit key, their tokens, hit tokens and shared tokens past the hit. One compiled call where hits end at
+        block boundaries."""
+        if not self.partial:
+            return index.lookup_rows(
+                slots, num_tokens, self.keys, self.num_hashed, self.unit, max(self.block_size), drop_last_block,
+                self.slots, self.ways, *self._kind_arrays, hits, shared_len,
+            )  # fmt: skip
+        stats = np.zeros(4, np.int64)
+        for i, s in enumerate(slots.tolist()):
+            hits[i], shared_len[s] = self.lookup(self.unit_keys(s), int(num_tokens[s]), drop_last_block)
+            if self.num_hashed[s]:
+                stats += 1, num_tokens[s], hits[i], shared_len[s] - hits[i]
+        return tuple(stats.tolist())
 
     def _lookup(self, keys: np.ndarray, num_tokens: int, max_hit: int | None) -> tuple[int, int]:
         u = self.unit

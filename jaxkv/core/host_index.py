@@ -227,3 +227,36 @@ def lookup(slots, ways, keys, num_tokens, bound, kind, block_size, window, step)
             own = _hit_blocks(indexed, g, kind[g], block_size[g], window[g], step[g], bound // block_size[g])
             shared = max(shared, own * block_size[g])
     return hit, hit if shared < 0 else shared
+
+
+@_jit(
+    "UniTuple(int64, 4)(int64[::1], int64[::1], uint32[:, :, ::1], int64[::1], int64, int64, boolean,"
+    " uint32[:, ::1], int64, int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1])"
+)
+def lookup_rows(
+    rows, num_tokens, keys, num_hashed, unit, max_block_size, drop_last_block, slots, ways, kind, block_size, window,
+    step, hits, shared_len,
+):  # fmt: skip
+    """`lookup` of each row's slot, of `num_tokens[slot]` tokens and its `num_hashed[slot]` unit keys in `keys`:
+    row i's hit into `hits[i]`, its shared length into `shared_len[slot]`. `drop_last_block`: vLLM's EAGLE rule,
+    the hit found again with at most its last block less. Returns the rows with a key, their tokens, their hit
+    tokens and their shared tokens past the hit."""
+    num_keyed = keyed_tokens = hit_tokens = miss_tokens = 0
+    for i in range(rows.shape[0]):
+        s = rows[i]
+        n, row_keys = num_tokens[s], keys[s, : num_hashed[s]]
+        bound = min(max(n - 1, 0), num_hashed[s] * unit)
+        hit, shared = lookup(slots, ways, row_keys, n, bound, kind, block_size, window, step)
+        shared_len[s] = shared
+        if drop_last_block and hit:
+            max_hit = hit - max_block_size
+            hit = 0
+            if max_hit > 0:
+                hit = lookup(slots, ways, row_keys, max_hit + 1, min(bound, max_hit), kind, block_size, window, step)[0]
+        hits[i] = hit
+        if num_hashed[s]:
+            num_keyed += 1
+            keyed_tokens += n
+            hit_tokens += hit
+            miss_tokens += shared - hit
+    return num_keyed, keyed_tokens, hit_tokens, miss_tokens

@@ -200,3 +200,49 @@ def allocate(
         rules, windowed, unit, num_free, tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
         pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, entries,
     )  # fmt: skip
+
+
+@_jit(
+    "UniTuple(int64, 3)(int64[::1], int64[::1], int64[::1], boolean[::1], int64[::1], int64[::1], int64[::1],"
+    " int64[::1], int64,"  # rows' inputs; the manager's counts (computed, tokens, written, shared length), max len
+    " int64[:, ::1], boolean[::1], int64, int64,"
+    " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
+    f" int32, int64, {_INDEX}, {_POOL})"
+)
+def allocate_checked(
+    slots_of, new, hits, must_fit, req_computed, req_tokens, req_written, req_shared, max_model_len,
+    rules, windowed, unit, num_free,
+    tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
+    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
+):  # fmt: skip
+    """`allocate` of a manager's call (no speculative decoding) with its checks and its per-request counts
+    (`jaxkv.manager.KVCacheManager.allocate_slots_batch`): rows of slots, new tokens, hit tokens and
+    whole-request flags, counts by slot. Returns (-1, 0, num_free) and changes nothing where a row is invalid
+    (a slot twice, a negative count, a hit not on a request's first call or not below its tokens, tokens
+    past the request's or `max_model_len`); otherwise `allocate`'s, with the counts of the rows that succeed
+    advanced."""
+    num_rows = slots_of.shape[0]
+    seen = np.zeros(req_computed.shape[0], np.bool_)
+    for i in range(num_rows):
+        s, k, h = slots_of[i], new[i], hits[i]
+        n, total = req_computed[s], req_computed[s] + hits[i] + new[i]
+        bad_hit = h > 0 and (n > 0 or h >= req_tokens[s])
+        if seen[s] or k < 0 or h < 0 or bad_hit or total > req_tokens[s] or total > max_model_len:
+            return -1, 0, num_free
+        seen[s] = True
+    full, shared = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
+    for i in range(num_rows):
+        s = slots_of[i]
+        full[i] = req_tokens[s] if must_fit[i] else 0
+        shared[i] = req_shared[s] if req_computed[s] == 0 else 0
+        req_written[s] = req_computed[s]  # the call says the rows' earlier steps ran
+    num_ok, num_hit, num_free = allocate(
+        slots_of, new, np.zeros(num_rows, np.int64), hits, full, shared, True, rules, windowed, unit, num_free,
+        tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
+        pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
+    )  # fmt: skip
+    for i in range(num_ok):
+        s = slots_of[i]
+        req_computed[s] += new[i] + hits[i]
+        req_written[s] += hits[i]  # claimed hits hold cached content
+    return num_ok, num_hit, num_free
