@@ -293,7 +293,7 @@ class KVCacheManager:
         # Tokens a forward pass is known to have written: up to the last `mark_computed`, or to the start of
         # the request's last allocation (a later call says the earlier ones' steps ran).
         self._num_written = np.zeros(self.max_num_seqs, np.int64)
-        self._host_counts = (self._num_computed, self._num_tokens, self._num_written, self._shared_len)
+        self._host_counts = (self._num_computed, self._num_written, self._num_tokens, self._shared_len)
         self._num_free_blocks: int | None = cfg.num_blocks - 1  # None: read from the device state
         self._pending_free: list[int] = []  # slots freed on the host, not yet on the device
         self._pending_written: list[int] = []  # their tokens written (`_num_written`)
@@ -916,6 +916,18 @@ class KVCacheManager:
 
         The device work rides on the next allocation's dispatch (or the next read).
         """
+        if self._compiled_host:  # one compiled call, its check included; the general path names an error
+            try:
+                slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, len(request_ids))
+            except KeyError:
+                slots = None
+            if slots is not None and self._held_host().free_checked(slots, self._host_counts[:3]):
+                for request_id, slot in zip(request_ids, slots.tolist()):
+                    del self._slot_of[request_id]
+                    self._hashers[slot] = self._unhashed[slot] = None
+                    self._free_slots.append(slot)
+                self._check()
+                return
         slots = self._slots(request_ids)
         num_computed = self._num_computed[slots]
         counts = num_computed + self._pending_reject[slots]  # rejected drafts still held

@@ -267,8 +267,8 @@ class HostState:
 
     def allocate_checked(self, slots, new, hits, must_fit, req_counts, max_model_len) -> tuple[int, int]:
         """A manager's allocation call where `compiled` (`host_step.allocate_checked`): int64[R] slots, new
-        tokens and hit tokens, bool[R] whole-request flags; `req_counts`: the manager's int64[S] computed
-        tokens, tokens, written tokens and shared lengths, advanced in place. Returns (rows that succeed, hit
+        tokens and hit tokens, bool[R] whole-request flags; `req_counts`: the manager's int64[S] computed,
+        written and total tokens and shared lengths, advanced in place. Returns (rows that succeed, hit
         tokens claimed), or (-1, 0) with nothing changed where a row is invalid."""
         num_ok, num_hit, self.num_free = host_step.allocate_checked(
             slots, new, hits, must_fit, *req_counts, max_model_len, self._rules, self.windowed, self.unit,
@@ -459,6 +459,18 @@ class HostState:
         if self.prefix is not None:
             self.num_hashed[rows] = 0
             self.shared_len[rows] = self.prompt_len[rows] = self.num_cached[rows] = 0
+
+    def free_checked(self, slots, req_counts) -> bool:
+        """A manager's free call where `compiled` (`host_step.free_checked`): int64[R] slots; `req_counts`: the
+        manager's int64[S] computed, written and total tokens (zeroed). False, with nothing changed, where a slot
+        comes twice."""
+        freed = host_step.free_checked(
+            slots, *req_counts, self._block_size, self.first_live, self.num_computed, self.num_cached,
+            self.shared_len, self.num_hashed, self.prompt_len, self.tables, self.slots, self.block_slot,
+            self.group_of, self.ref, self.nxt, self.prv,
+        )  # fmt: skip
+        self.num_free += max(freed, 0)
+        return freed >= 0
 
     def roll_back(self, slots: list[int], num_rejected: list[int]) -> None:
         """Speculative decoding: drops each slot's last `num_rejected` tokens and releases the entries past

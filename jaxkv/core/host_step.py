@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.core.host_index import _INDEX, _POOL, _unindex, find, index_row
-from jaxkv.core.host_pool import _jit, release_range, unlink
+from jaxkv.core.host_index import _INDEX, _POOL, _unindex, find, index_row, uncache
+from jaxkv.core.host_pool import _jit, free_slots, release_range, unlink
 from jaxkv.prefix.index import FIELDS
 
 
@@ -204,13 +204,13 @@ def allocate(
 
 @_jit(
     "UniTuple(int64, 3)(int64[::1], int64[::1], int64[::1], boolean[::1], int64[::1], int64[::1], int64[::1],"
-    " int64[::1], int64,"  # rows' inputs; the manager's counts (computed, tokens, written, shared length), max len
+    " int64[::1], int64,"  # rows' inputs; the manager's counts (computed, written, tokens, shared length), max len
     " int64[:, ::1], boolean[::1], int64, int64,"
     " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
     f" int32, int64, {_INDEX}, {_POOL})"
 )
 def allocate_checked(
-    slots_of, new, hits, must_fit, req_computed, req_tokens, req_written, req_shared, max_model_len,
+    slots_of, new, hits, must_fit, req_computed, req_written, req_tokens, req_shared, max_model_len,
     rules, windowed, unit, num_free,
     tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
     pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
@@ -246,3 +246,36 @@ def allocate_checked(
         req_computed[s] += new[i] + hits[i]
         req_written[s] += hits[i]  # claimed hits hold cached content
     return num_ok, num_hit, num_free
+
+
+@_jit(
+    "int64(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[:, ::1], int64[::1], int64[:, ::1],"
+    f" int64[::1], int64[::1], int64[::1], int32[:, :, ::1], {_INDEX}, int32[:], int32[:], int32[:])"
+)
+def free_checked(
+    rows, req_computed, req_written, req_tokens, block_size, first_live, num_computed, num_cached, shared_len,
+    num_hashed, prompt_len, tables, slots, block_slot, group_of, ref, nxt, prv,
+):  # fmt: skip
+    """A manager's free call (no speculative decoding; `jaxkv.manager.KVCacheManager.free_batch`) of int64[R]
+    slots, with its per-request counts by slot (computed, written, tokens; zeroed). A slot whose last step is
+    not known to have run (written below computed) first takes the blocks from its written tokens on out of the
+    index; then `free_slots`. Returns the blocks that became free, or -1 and changes nothing where a slot comes
+    twice."""
+    seen = np.zeros(req_computed.shape[0], np.bool_)
+    for s in rows:
+        if seen[s]:
+            return -1
+        seen[s] = True
+    for s in rows:
+        written = min(req_written[s], req_computed[s])
+        if written < num_computed[s]:
+            for g in range(block_size.shape[0]):
+                for j in range(written // block_size[g], tables.shape[2]):
+                    block = tables[g, s, j]
+                    if block != 0 and group_of[block] >= 0:
+                        uncache(block, slots, block_slot, group_of)
+    freed = free_slots(rows, num_computed, first_live, block_size, tables, nxt, prv, ref, group_of)
+    for s in rows:
+        num_hashed[s] = shared_len[s] = prompt_len[s] = req_computed[s] = req_tokens[s] = 0
+        num_cached[s] = 0
+    return freed
