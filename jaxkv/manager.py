@@ -57,7 +57,7 @@ from jaxkv.core.step import StepBatch, StepWork, allocate_step, rollback_ranges,
 from jaxkv.metadata import StepMetadata, step_metadata
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK, cdiv
-from jaxkv.prefix.hashing import HashMode, UnitHasher
+from jaxkv.prefix.hashing import HashMode, UnitHasher, digests_to_keys
 from jaxkv.prefix.state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
 
 if TYPE_CHECKING:
@@ -301,7 +301,7 @@ class KVCacheManager:
         self._rules = st.group_rules(cfg)
         self._first_live = np.zeros((self.max_num_seqs, len(cfg.groups)), np.int64)
         self._num_cached = np.zeros((self.max_num_seqs, len(cfg.groups)), np.int64)
-        self._num_keys = np.zeros(self.max_num_seqs, np.int64)  # unit keys of each slot (prefix caching)
+        self._num_keys = np.zeros(self.max_num_seqs, np.int64)  # unit keys of each slot (prefix caching, jax)
         self._num_hashed_tokens = np.zeros(self.max_num_seqs, np.int64)  # tokens its UnitHasher has taken
         self._freed_counts: dict[int, int] = {}  # pending frees: the count the device still holds
         self._pending_free_entries = 0  # table entries the pending frees release
@@ -383,11 +383,11 @@ class KVCacheManager:
         if self.prefix_config is not None:
             self._unhashed[slot] = []
             self._hashers[slot] = unit_hasher
-            self._num_keys[slot] = unit_hasher.num_units
             self._num_hashed_tokens[slot] = num_tokens
             if self._host is not None:  # the keys go to the host state now
                 self._host.set_keys(slot, unit_hasher.keys)
             else:
+                self._num_keys[slot] = unit_hasher.num_units
                 self._keys[slot] = unit_hasher.keys.copy()
                 self._queue_upload(slot, 0, unit_hasher.num_units)
 
@@ -475,12 +475,12 @@ class KVCacheManager:
         given to the host state)."""
         hasher, tokens = self._hashers[slot], self._unhashed[slot]
         self._unhashed[slot] = []
-        new_keys = hasher.extend(tokens)
         self._num_hashed_tokens[slot] = self._num_tokens[slot]
         if self._host is not None:
-            self._num_keys[slot] = hasher.num_units
-            self._host.set_keys(slot, new_keys, first=hasher.num_units - len(new_keys))
+            new = hasher.extend_digests(tokens)
+            self._host.set_keys(slot, digests_to_keys(new), first=hasher.num_units - len(new))
             return
+        new_keys = hasher.extend(tokens)
         first = len(self._keys[slot])
         self._keys[slot] = np.concatenate([self._keys[slot], new_keys])
         self._num_keys[slot] = len(self._keys[slot])
@@ -538,7 +538,7 @@ class KVCacheManager:
         and appended, per group capped at what one request can hold) fit: vLLM's
         admission gate.
         """
-        if self._compiled_host and num_lookahead_tokens is None:
+        if self._compiled_host and (num_lookahead_tokens is None or not any(num_lookahead_tokens)):
             ok = self._allocate_compiled(request_ids, num_new_tokens, num_new_computed_tokens, full_sequence_must_fit)
             if ok is not None:
                 return ok

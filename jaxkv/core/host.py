@@ -120,6 +120,10 @@ class HostState:
             self.num_cached = np.zeros((max_num_seqs, num_groups), np.int64)
             self.shared_len = np.zeros(max_num_seqs, np.int64)
             self.prompt_len = np.zeros(max_num_seqs, np.int64)
+            # Per slot, bounds within which an allocation of it only advances its count (`host_step._set_quiet`;
+            # -1: unknown, the next allocation finds them).
+            self.quiet_start = np.full(max_num_seqs, -1, np.int64)
+            self.quiet_done = np.full(max_num_seqs, -1, np.int64)
             self.copies: dict[int, int] = {}  # pending copies: destination -> source (both pinned)
             self.partial = list(partial_groups(cfg, prefix))
             self.rules = [HitRule.for_spec(g.spec) for g in groups]
@@ -255,7 +259,7 @@ class HostState:
             rows(num_shared_tokens), num_shared_tokens is not None, self._rules, self.windowed, self.unit,
             self.num_free, self.tables, self.first_live, self.num_computed, self.num_cached, self.shared_len,
             self.num_hashed, self.keys, self.num_passes, self.ways, self.slots, self.block_slot, self.group_of,
-            self.cached_in_pass, self.ref, self.nxt, self.prv,
+            self.cached_in_pass, self.ref, self.nxt, self.prv, self.quiet_start, self.quiet_done,
         )  # fmt: skip
         return np.arange(len(slots)) < num_ok, num_hit, {}
 
@@ -274,7 +278,7 @@ class HostState:
             slots, new, hits, must_fit, *req_counts, max_model_len, self._rules, self.windowed, self.unit,
             self.num_free, self.tables, self.first_live, self.num_computed, self.num_cached, self.shared_len,
             self.num_hashed, self.keys, self.num_passes + 1, self.ways, self.slots, self.block_slot, self.group_of,
-            self.cached_in_pass, self.ref, self.nxt, self.prv,
+            self.cached_in_pass, self.ref, self.nxt, self.prv, self.quiet_start, self.quiet_done,
         )  # fmt: skip
         self.num_passes += num_ok >= 0
         return num_ok, num_hit
@@ -484,6 +488,8 @@ class HostState:
                 bs = self.block_size[g]
                 ranges.append((g, s, max(self.first_live[s][g], -(-n // bs)), -(-end // bs), -1))
             self.num_computed[s] = n
+            if self.prefix is not None:
+                self.quiet_done[s] = -1
         self._release_ranges(ranges)
 
     # ---- prefix cache --------------------------------------------------------------------------
@@ -498,6 +504,7 @@ class HostState:
             raise ValueError(f"slot {slot} would have {end} unit keys; the state holds {self.keys.shape[1]} per slot")
         self.keys[slot, first:end] = keys
         self.num_hashed[slot] = end
+        self.quiet_done[slot] = -1  # blocks of these keys may wait to be indexed
 
     def unit_keys(self, slot: int) -> np.ndarray:
         """uint32[U, 4]: the slot's unit keys."""

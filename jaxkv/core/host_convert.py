@@ -138,6 +138,7 @@ def load_state(host, state: ManagerState) -> None:
     if state.prefix is None:
         return
     prefix = state.prefix
+    host.quiet_done[:] = -1  # found again by each slot's next allocation
     slots = np.asarray(prefix.index.slots)
     host.num_buckets, host.ways = slots.shape[:2]
     host.slots = slots.reshape(-1, slots.shape[-1]).copy()

@@ -34,18 +34,39 @@ def _keep_from(n, offset, unit, scale, div):
     return max(n + offset, 0) // unit * scale // div
 
 
+@_jit("void(int64, int64[:, ::1], int64, int64[::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[::1], int64[::1])")
+def _set_quiet(s, rules, unit, num_computed, first_live, num_cached, num_hashed, quiet_start, quiet_done):
+    """Slot s's quiet bounds after an allocation that succeeded: while its computed tokens are at most
+    `quiet_start[s]` when a call starts and at most `quiet_done[s]` after it, a call takes no block (its table
+    covers them), releases none (no window's start passes a live block: `keep_from_idx` inverted) and
+    indexes none (every block of its hashed tokens that they fill is indexed). Keys set later clear them."""
+    start = done = 1 << 62
+    hashed = num_hashed[s] * unit
+    for g in range(rules.shape[1]):
+        bs, offset, keep_unit, scale, div = rules[0, g], rules[2, g], rules[3, g], rules[4, g], rules[5, g]
+        done = min(done, -(-num_computed[s] // bs) * bs)
+        if hashed // bs > num_cached[s, g]:
+            done = min(done, (num_cached[s, g] + 1) * bs - 1)
+        if scale > 0:  # keep_from(n) <= first_live while n is at most this
+            start = min(start, (((first_live[s, g] + 1) * div - 1) // scale + 1) * keep_unit - offset - 1)
+    quiet_start[s], quiet_done[s] = start, done
+
+
 @_jit(
     "UniTuple(int64, 3)(int64, int64, int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], boolean,"
     " int64[::1], int64[::1], boolean[::1], int64[:, ::1], int64[:, ::1], int64[:, ::1], boolean[::1], int64, int64,"
     " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
-    f" int32, int64, {_INDEX}, {_POOL}, int64[::1])"
+    f" int32, int64, {_INDEX}, {_POOL}, int64[::1], boolean[::1], int64[::1], int64[::1])"
 )
 def _apply(
     num_ok, gated, slots_of, new, lookahead, hits, shared, record_shared, n, n_eff, hit_ok, keep, need,
     rules, windowed, unit, num_free, tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
-    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, entries,
+    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, entries, quiet, quiet_start,
+    quiet_done,
 ):  # fmt: skip
-    """The phases after the gate: rows [0, num_ok) succeed, rows [0, gated) without a hit release."""
+    """The phases after the gate: rows [0, num_ok) succeed, rows [0, gated) without a hit release; `quiet`
+    rows only advance their counts. Each row that succeeds and is not quiet gets its quiet bounds again (a failed
+    row's stay valid: its releases only raise its first live entries)."""
     num_groups = rules.shape[1]
     block_size, step = rules[0], rules[6]
     num_hit = 0
@@ -68,7 +89,7 @@ def _apply(
             first_live[s, g] = first
         num_computed[s] = h
     for i in range(gated):  # release behind the windows
-        if hits[i]:
+        if hits[i] or quiet[i]:
             continue
         s = slots_of[i]
         for g in range(num_groups):
@@ -80,6 +101,9 @@ def _apply(
             first_live[s, g] = keep[i, g]
     for i in range(num_ok):  # take blocks
         s = slots_of[i]
+        if quiet[i]:
+            num_computed[s] = n_eff[i] + new[i]
+            continue
         for g in range(num_groups):
             first_new = -(-n_eff[i] // block_size[g])
             for j in range(first_new, first_new + need[i, g]):
@@ -97,6 +121,8 @@ def _apply(
         groups, blocks = np.empty(num_groups, np.int64), np.empty(num_groups, np.int32)  # index_row's scratch
         for i in range(num_ok):
             s = slots_of[i]
+            if quiet[i]:
+                continue
             done = num_computed[s]
             for g in range(num_groups):
                 start[g] = n_eff[i] // block_size[g] if hit_ok[i] else num_cached[s, g]
@@ -107,6 +133,7 @@ def _apply(
                 num_cached[s, g] = max(start[g], end[g])
             if record_shared and n[i] == 0:
                 shared_len[s] = max(shared[i], 0)
+            _set_quiet(s, rules, unit, num_computed, first_live, num_cached, num_hashed, quiet_start, quiet_done)
     return num_ok, num_hit, num_free
 
 
@@ -114,18 +141,19 @@ def _apply(
     "UniTuple(int64, 3)(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], boolean,"
     " int64[:, ::1], boolean[::1], int64, int64,"  # rows' inputs; rules (block size .. step), windowed; unit, free
     " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
-    f" int32, int64, {_INDEX}, {_POOL})"
+    f" int32, int64, {_INDEX}, {_POOL}, int64[::1], int64[::1])"
 )
 def allocate(
     slots_of, new, lookahead, hits, full, shared, record_shared,
     rules, windowed, unit, num_free,
     tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
-    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
+    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, quiet_start, quiet_done,
 ):  # fmt: skip
     """One allocation of int64[R] rows: slot, new tokens (lookahead included), lookahead tokens, hit tokens
     (0: none), whole-request tokens (0: no gate), shared length (recorded on a request's first allocation where
     `record_shared`). `rules`: int64[7, G] (block size, max blocks, keep offset, unit, scale, div, units per
-    block). Returns (rows that succeed, hit tokens claimed, free blocks after)."""
+    block). `quiet_start`, `quiet_done`: int64[S] (`_set_quiet`), -1 where unknown. Returns (rows that succeed,
+    hit tokens claimed, free blocks after)."""
     num_rows, num_groups = slots_of.shape[0], rules.shape[1]
     block_size, max_blocks, step = rules[0], rules[1], rules[6]
     n = np.empty(num_rows, np.int64)
@@ -136,6 +164,7 @@ def allocate(
     freed = np.zeros(num_rows, np.int64)
     keep = np.empty((num_rows, num_groups), np.int64)
     need = np.empty((num_rows, num_groups), np.int64)
+    quiet = np.zeros(num_rows, np.bool_)  # rows within their quiet bounds: they only advance
     claimed = np.zeros(ref.shape[0], np.bool_)  # blocks this call's claims name
     entries = np.empty(keys.shape[1], np.int64)
     for i in range(num_rows):
@@ -172,6 +201,9 @@ def allocate(
     for i in range(num_rows):
         s = slots_of[i]
         cost[i] = taken_free[i]
+        if hits[i] == 0 and full[i] <= 0 and 0 < n[i] <= quiet_start[s] and n[i] + new[i] <= quiet_done[s]:
+            quiet[i] = True  # takes and frees nothing: it fits
+            continue
         full_need = 0
         for g in range(num_groups):
             bs = block_size[g]
@@ -198,7 +230,8 @@ def allocate(
     return _apply(
         num_ok, gated, slots_of, new, lookahead, hits, shared, record_shared, n, n_eff, hit_ok, keep, need,
         rules, windowed, unit, num_free, tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
-        pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, entries,
+        pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, entries, quiet, quiet_start,
+        quiet_done,
     )  # fmt: skip
 
 
@@ -207,13 +240,13 @@ def allocate(
     " int64[::1], int64,"  # rows' inputs; the manager's counts (computed, written, tokens, shared length), max len
     " int64[:, ::1], boolean[::1], int64, int64,"
     " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
-    f" int32, int64, {_INDEX}, {_POOL})"
+    f" int32, int64, {_INDEX}, {_POOL}, int64[::1], int64[::1])"
 )
 def allocate_checked(
     slots_of, new, hits, must_fit, req_computed, req_written, req_tokens, req_shared, max_model_len,
     rules, windowed, unit, num_free,
     tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
-    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
+    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, quiet_start, quiet_done,
 ):  # fmt: skip
     """`allocate` of a manager's call (no speculative decoding) with its checks and its per-request counts
     (`jaxkv.manager.KVCacheManager.allocate_slots_batch`): rows of slots, new tokens, hit tokens and
@@ -239,7 +272,7 @@ def allocate_checked(
     num_ok, num_hit, num_free = allocate(
         slots_of, new, np.zeros(num_rows, np.int64), hits, full, shared, True, rules, windowed, unit, num_free,
         tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
-        pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv,
+        pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, quiet_start, quiet_done,
     )  # fmt: skip
     for i in range(num_ok):
         s = slots_of[i]

@@ -196,7 +196,8 @@ class UnitHasher:
         self._common_keys = encode_extra_keys(self._request_keys)
         self._pending = array.array("I")  # tokens of the unfinished unit
         self.digests: list[bytes] = []
-        self._keys = np.zeros((64, KEY_WORDS), np.uint32)  # `keys`, with room to grow
+        self._keys = np.zeros((64, KEY_WORDS), np.uint32)  # `keys` of the first `_num_keys` units, room to grow
+        self._num_keys = 0
 
     @property
     def num_units(self) -> int:
@@ -205,7 +206,16 @@ class UnitHasher:
     @property
     def keys(self) -> np.ndarray:
         """uint32[U, 4]: the index keys of `digests` (`digests_to_keys`), a view that later units do not change."""
-        return self._keys[: self.num_units]
+        end = len(self.digests)
+        if self._num_keys < end:  # converted when asked for
+            if end > len(self._keys):
+                grown = np.zeros((2 * end, KEY_WORDS), np.uint32)
+                grown[: self._num_keys] = self._keys[: self._num_keys]
+                self._keys = grown
+            new = self.digests[self._num_keys :]
+            self._keys[self._num_keys : end] = np.frombuffer(b"".join([d[:16] for d in new]), "<u4").reshape(-1, 4)
+            self._num_keys = end
+        return self._keys[:end]
 
     @property
     def num_tokens(self) -> int:
@@ -218,21 +228,22 @@ class UnitHasher:
 
     def extend(self, token_ids) -> np.ndarray:
         """Appends tokens; returns uint32[U, 4] keys of the units they complete (U may be 0)."""
-        self._pending += _token_buffer(token_ids)
-        num_new = len(self._pending) // self.unit
-        if num_new == 0:  # the common decode step: about 0.5 µs
-            return _NO_KEYS
-        full = self._pending[: num_new * self.unit]
-        del self._pending[: num_new * self.unit]
-        first, end = self.num_units, self.num_units + num_new
+        num_new = len(self.extend_digests(token_ids))
+        return self.keys[len(self.digests) - num_new :] if num_new else _NO_KEYS
+
+    def extend_digests(self, token_ids) -> list[bytes]:
+        """`extend`, returning the digests of the units the tokens complete (`keys` converts them when read)."""
+        pending = self._pending
+        pending += _token_buffer(token_ids)
+        num_new = len(pending) // self.unit
+        if num_new == 0:  # the common decode step
+            return []
+        full = pending[: num_new * self.unit]
+        del pending[: num_new * self.unit]
+        first = len(self.digests)
         new = self._hash_vllm(full.tolist(), first) if self.mode == "vllm" else self._hash_jaxkv(full, first)
-        if end > len(self._keys):
-            grown = np.zeros((2 * end, KEY_WORDS), np.uint32)
-            grown[:first] = self.keys
-            self._keys = grown
-        self._keys[first:end] = np.frombuffer(b"".join([digest[:16] for digest in new]), "<u4").reshape(-1, KEY_WORDS)
         self.digests += new
-        return self._keys[first:end]
+        return new
 
     def _hash_jaxkv(self, tokens: array.array, first: int) -> list[bytes]:
         # Unit i's message after its parent: tag | u32 unit | uint32[unit] tokens | the request's keys;
