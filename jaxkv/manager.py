@@ -257,8 +257,10 @@ class KVCacheManager:
         if backend == "host":
             # Imported here: the host backend's loops, compiled with numba, load (or compile, once) on first use.
             from jaxkv.core.host import HostState
+            from jaxkv.core.host_step import append_checked
 
             self._host = HostState(cfg, self.max_num_seqs, self.prefix_config)
+            self._append_checked = append_checked
         # An allocation as one compiled call, its checks and these counts included (no speculative decoding).
         self._compiled_host = self._host is not None and self._host.compiled and not num_speculative_tokens
         self._host_taken = False  # the host state was handed over (take_state)
@@ -449,6 +451,8 @@ class KVCacheManager:
     def append_token_ids_batch(self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]) -> None:
         """`append_token_ids` for many requests (a step's sampled tokens). With prefix caching, per request one
         list extend, and only the requests that complete a hash unit are hashed; without, only counts change."""
+        if self._host is not None and self._append_host(request_ids, new_token_ids):
+            return
         slots = self._slots(request_ids)
         if len(new_token_ids) != len(slots):
             raise ValueError(f"{len(new_token_ids)} token lists for {len(slots)} requests; give one per request")
@@ -470,16 +474,47 @@ class KVCacheManager:
             for slot in slots[num_tokens // unit > self._num_hashed_tokens[slots] // unit].tolist():
                 self._hash_new_units(slot)
 
+    def _append_host(self, request_ids, new_token_ids) -> bool:
+        """`append_token_ids_batch` on the host backend: one compiled call for the counts and checks, one for the
+        new unit keys; False (nothing changed) where the call is not valid (the general path names what is
+        wrong)."""
+        num_rows = len(request_ids)
+        try:
+            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, num_rows)
+            lengths = np.fromiter(map(len, new_token_ids), np.int64, len(new_token_ids))
+        except (KeyError, TypeError):
+            return False
+        if len(lengths) != num_rows:
+            return False
+        to_hash = np.empty(num_rows, np.int64)
+        unit = self.prefix_config.unit if self.prefix_config is not None else self.cfg.max_model_len + 1
+        num_to_hash = self._append_checked(
+            slots, lengths, self._num_tokens, self._num_written, self._num_computed, self._num_hashed_tokens,
+            unit, self.cfg.max_model_len, to_hash,
+        )  # fmt: skip
+        if num_to_hash < 0:
+            return False
+        if self.prefix_config is None:
+            return True
+        unhashed = self._unhashed
+        for slot, ids in zip(slots.tolist(), new_token_ids):
+            unhashed[slot].extend(ids)
+        if num_to_hash:  # the units the new tokens complete, hashed, their keys given to the host state at once
+            rows, counts, digests = to_hash[:num_to_hash], [], []
+            for slot in rows.tolist():
+                tokens, unhashed[slot] = unhashed[slot], []
+                new = self._hashers[slot].extend_digests(tokens)
+                counts.append(len(new))
+                digests += new
+            self._num_hashed_tokens[rows] = self._num_tokens[rows]
+            self._host.append_keys(rows, np.array(counts, np.int64), digests_to_keys(digests))
+        return True
+
     def _hash_new_units(self, slot: int) -> None:
-        """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload (or
-        given to the host state)."""
+        """Hashes the slot's tokens not hashed yet; the units they complete get keys, queued for upload."""
         hasher, tokens = self._hashers[slot], self._unhashed[slot]
         self._unhashed[slot] = []
         self._num_hashed_tokens[slot] = self._num_tokens[slot]
-        if self._host is not None:
-            new = hasher.extend_digests(tokens)
-            self._host.set_keys(slot, digests_to_keys(new), first=hasher.num_units - len(new))
-            return
         new_keys = hasher.extend(tokens)
         first = len(self._keys[slot])
         self._keys[slot] = np.concatenate([self._keys[slot], new_keys])

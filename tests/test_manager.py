@@ -203,7 +203,8 @@ def test_random_use_matches_model(backend, cfg, data):
     written: dict[str, int] = {}  # tokens whose step is known to have run (mark_computed, or a later call)
     next_id = 0
     for _ in range(data.draw(st.integers(1, 20), label="num_ops")):
-        op = data.draw(st.sampled_from(["add", "allocate", "allocate", "mark", "free", "preempt"]), label="op")
+        ops = ["add", "allocate", "allocate", "append", "mark", "free", "preempt"]
+        op = data.draw(st.sampled_from(ops), label="op")
         if op == "add" and mgr.num_requests < 3:
             rid = f"r{next_id}"
             next_id += 1
@@ -245,6 +246,13 @@ def test_random_use_matches_model(backend, cfg, data):
             for rid, slot in zip(rids, slots):
                 for g, ids in enumerate(mgr.get_block_ids(rid)):
                     assert list(ids) == model.tables[g][slot][: len(ids)]
+        elif op == "append" and running:  # sampled tokens, or a prompt that grows: the last step ran
+            rid = data.draw(st.sampled_from(running), label="append_to")
+            room = 16 - mgr.num_tokens(rid)
+            new = data.draw(st.lists(st.integers(0, 9), max_size=min(room, 5)), label="appended")
+            mgr.append_token_ids(rid, new)
+            tokens[rid] += new
+            written[rid] = mgr.num_computed_tokens(rid)
         elif op == "mark" and running:  # the step of these requests' allocations ran
             rids = data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True), label="mark")
             mgr.mark_computed(rids)
@@ -433,11 +441,12 @@ def test_a_step_not_known_to_have_run_leaves_nothing_findable(ran):
     check_invariants(cfg, mgr.state, mgr.prefix_config)
 
 
-def test_sampled_tokens_say_the_step_ran():
+@pytest.mark.parametrize("backend", ["jax", "host"])
+def test_sampled_tokens_say_the_step_ran(backend):
     # Full attention only, block 2: the tokens the model produced (append_token_ids) are the step's output, so
     # the blocks its allocation indexed stay findable after a free.
     cfg = make_cfg(16, full(2), max_model_len=16, max_num_batched_tokens=8)
-    mgr = KVCacheManager(cfg, max_num_seqs=2, debug_checks=True)
+    mgr = KVCacheManager(cfg, max_num_seqs=2, debug_checks=True, backend=backend)
     mgr.add_request("a", [1, 2, 3, 4, 5])
     assert mgr.allocate_slots("a", 5)
     mgr.append_token_ids("a", [6])

@@ -506,6 +506,12 @@ class HostState:
         self.num_hashed[slot] = end
         self.quiet_done[slot] = -1  # blocks of these keys may wait to be indexed
 
+    def append_keys(self, slots: np.ndarray, counts: np.ndarray, keys: np.ndarray) -> None:
+        """`set_keys` after each slot's keys for many: slot `slots[i]` gets the next `counts[i]` of `keys`
+        (uint32[K, 4]), in order; int64[R] slots and counts."""
+        if not host_step.append_keys(slots, counts, keys, self.keys, self.num_hashed, self.quiet_done):
+            raise ValueError(f"a slot of {slots.tolist()} would have more unit keys than the state holds")
+
     def unit_keys(self, slot: int) -> np.ndarray:
         """uint32[U, 4]: the slot's unit keys."""
         return self.keys[slot, : self.num_hashed[slot]]

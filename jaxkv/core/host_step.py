@@ -312,3 +312,45 @@ def free_checked(
         num_hashed[s] = shared_len[s] = prompt_len[s] = req_computed[s] = req_tokens[s] = 0
         num_cached[s] = 0
     return freed
+
+
+@_jit("int64(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, int64, int64[::1])")
+def append_checked(rows, lengths, req_tokens, req_written, req_computed, req_hashed, unit, max_model_len, to_hash):
+    """A manager's token appends (`jaxkv.manager.KVCacheManager.append_token_ids_batch`) of int64[R] slots and
+    their numbers of new tokens, with its per-request counts by slot (tokens, written, computed, tokens hashed):
+    the tokens count, what was computed counts as written, and the slots whose tokens now complete a hash unit
+    go to `to_hash` (int64[R]) in row order. Returns how many went there, or -1 and changes nothing where a
+    slot comes twice or would pass `max_model_len`."""
+    seen = np.zeros(req_tokens.shape[0], np.bool_)
+    for i in range(rows.shape[0]):
+        s = rows[i]
+        if seen[s] or req_tokens[s] + lengths[i] > max_model_len:
+            return -1
+        seen[s] = True
+    num_to_hash = 0
+    for i in range(rows.shape[0]):
+        s = rows[i]
+        req_tokens[s] += lengths[i]
+        req_written[s] = req_computed[s]
+        if req_tokens[s] // unit > req_hashed[s] // unit:
+            to_hash[num_to_hash] = s
+            num_to_hash += 1
+    return num_to_hash
+
+
+@_jit("boolean(int64[::1], int64[::1], uint32[:, ::1], uint32[:, :, ::1], int64[::1], int64[::1])")
+def append_keys(rows, counts, new_keys, keys, num_hashed, quiet_done):
+    """Slot rows[i]'s next counts[i] unit keys, the next rows of `new_keys` (uint32[K, 4]), after its
+    `num_hashed`; their quiet bounds are cleared. False, and nothing changed, where a slot has no room."""
+    for i in range(rows.shape[0]):
+        if num_hashed[rows[i]] + counts[i] > keys.shape[1]:
+            return False
+    k = 0
+    for i in range(rows.shape[0]):
+        s = rows[i]
+        for u in range(num_hashed[s], num_hashed[s] + counts[i]):
+            keys[s, u] = new_keys[k]
+            k += 1
+        num_hashed[s] += counts[i]
+        quiet_done[s] = -1
+    return True
