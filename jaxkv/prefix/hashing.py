@@ -213,7 +213,9 @@ class UnitHasher:
                 grown[: self._num_keys] = self._keys[: self._num_keys]
                 self._keys = grown
             new = self.digests[self._num_keys :]
-            self._keys[self._num_keys : end] = np.frombuffer(b"".join([d[:16] for d in new]), "<u4").reshape(-1, 4)
+            self._keys[self._num_keys : end] = np.frombuffer(b"".join([d[:16] for d in new]), "<u4").reshape(
+                -1, KEY_WORDS
+            )
             self._num_keys = end
         return self._keys[:end]
 

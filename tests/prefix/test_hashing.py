@@ -58,6 +58,13 @@ def test_fast_path_matches_reference_and_splits(mode, data):
         parent = block_hash(parent, unit_tokens, hasher.unit_keys(unit_idx), mode=mode)
         assert digest == parent
     np.testing.assert_array_equal(whole, digests_to_keys(hasher.digests))
+    # The same pieces through extend_digests, the keys read between some of them (converted when read).
+    lazy = UnitHasher(unit, cache_salt=cache_salt, extra_keys=lora, unit_extra_keys=unit_keys, mode=mode)
+    for a, b in zip([0, *cuts], [*cuts, len(tokens)]):
+        assert lazy.extend_digests(tokens[a:b]) == hasher.digests[a // unit : b // unit]
+        if data.draw(st.booleans(), label="read_keys"):
+            np.testing.assert_array_equal(lazy.keys, whole[: b // unit])
+    np.testing.assert_array_equal(lazy.keys, whole)
 
 
 def test_token_input_types_agree():
