@@ -280,7 +280,8 @@ class HostState:
             self.num_hashed, self.keys, self.num_passes + 1, self.ways, self.slots, self.block_slot, self.group_of,
             self.cached_in_pass, self.ref, self.nxt, self.prv, self.quiet_start, self.quiet_done,
         )  # fmt: skip
-        self.num_passes += num_ok >= 0
+        if num_ok >= 0:  # the pass ran
+            self.num_passes += 1
         return num_ok, num_hit
 
     def _allocate_rows(self, slots, num_new_tokens, parts) -> tuple[np.ndarray, int, dict]:
