@@ -14,9 +14,17 @@ The phases, in the order of `jaxkv.core.step` (each over all rows before the nex
     take blocks    the rows that succeed pop new blocks (popped cached blocks leave the index)
     index          one caching pass over the rows that succeed
 
+A row within its quiet bounds (`_set_quiet`, found after each allocation that runs its phases) takes,
+releases and indexes nothing: it skips every phase and only advances its count.
+
+A manager's calls on such configs are one compiled call each, its checks and the manager's per-request
+counts included: `allocate_checked`, `free_checked`, and (for every host config) `append_checked` with
+`append_keys`. Each returns a refusal and changes nothing where the call is invalid; the manager's general
+path then names what is wrong.
+
 `rules`: int64[7, G], rows block size, max blocks per request, `keep_from_idx`'s (offset, unit, scale, div)
-and units per block; `windowed`: bool[G], sliding or chunked groups. `_apply` comes first: numba compiles
-each function when it is defined, and `allocate` calls it.
+and units per block; `windowed`: bool[G], sliding or chunked groups. A function comes before those that call
+it: numba compiles each function when it is defined.
 """
 
 from __future__ import annotations
