@@ -478,13 +478,12 @@ class KVCacheManager:
         """`append_token_ids_batch` on the host backend: one compiled call for the counts and checks, one for the
         new unit keys; False (nothing changed) where the call is not valid (the general path names what is
         wrong)."""
-        num_rows = len(request_ids)
+        num_rows, slots = len(request_ids), self._known_slots(request_ids)
         try:
-            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, num_rows)
             lengths = np.fromiter(map(len, new_token_ids), np.int64, len(new_token_ids))
-        except (KeyError, TypeError):
+        except TypeError:
             return False
-        if len(lengths) != num_rows:
+        if slots is None or len(lengths) != num_rows:
             return False
         to_hash = np.empty(num_rows, np.int64)
         unit = self.prefix_config.unit if self.prefix_config is not None else self.cfg.max_model_len + 1
@@ -723,9 +722,10 @@ class KVCacheManager:
     def _allocate_compiled(self, request_ids, num_new_tokens, num_new_computed_tokens, full_sequence_must_fit):
         """`allocate_slots_batch` as one compiled call (`HostState.allocate_checked`), or None where the call is
         not valid (the general path names what is wrong)."""
-        num_rows = len(request_ids)
+        num_rows, slots = len(request_ids), self._known_slots(request_ids)
+        if slots is None:
+            return None
         try:
-            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, num_rows)
             new = np.asarray(num_new_tokens, np.int64)
             hits = np.zeros(num_rows, np.int64)
             if num_new_computed_tokens is not None:
@@ -734,7 +734,7 @@ class KVCacheManager:
                 must_fit = np.full(num_rows, bool(full_sequence_must_fit))
             else:
                 must_fit = np.asarray(full_sequence_must_fit, bool)
-        except (KeyError, TypeError, ValueError):
+        except (TypeError, ValueError):
             return None
         if not slots.shape == new.shape == hits.shape == must_fit.shape:
             return None
@@ -952,10 +952,7 @@ class KVCacheManager:
         The device work rides on the next allocation's dispatch (or the next read).
         """
         if self._compiled_host:  # one compiled call, its check included; the general path names an error
-            try:
-                slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, len(request_ids))
-            except KeyError:
-                slots = None
+            slots = self._known_slots(request_ids)
             if slots is not None and self._held_host().free_checked(slots, self._host_counts[:3]):
                 for request_id, slot in zip(request_ids, slots.tolist()):
                     del self._slot_of[request_id]
@@ -1238,6 +1235,14 @@ class KVCacheManager:
             return self._slot_of[request_id]
         except KeyError:
             raise KeyError(f"unknown request id {request_id!r}; add it with add_request first") from None
+
+    def _known_slots(self, request_ids: Sequence[Hashable]) -> np.ndarray | None:
+        """int64[R]: the requests' slots, unchecked for repeats (the compiled calls check); None where one is
+        unknown (`_slots` names it)."""
+        try:
+            return np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, len(request_ids))
+        except KeyError:
+            return None
 
     def _slots(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         try:

@@ -446,17 +446,12 @@ class HostState:
                 for s in ran:
                     self._cache_state_blocks(s)
             self._register_tails(ran, move=False)
-            ran_set = set(ran)
-            for s, w in zip(slots, written):
-                if s in ran_set:
-                    continue
-                for g in range(self.num_groups):
-                    if self.kind[g] == _MAMBA:
-                        continue
-                    for block in self.tables[g, s, w // self.block_size[g] :].tolist():
-                        if block != NULL_BLOCK and self.group_of[block] >= 0:
-                            self._uncache(block)
         rows = np.asarray(slots, np.int64)
+        if self.prefix is not None:
+            host_step.uncache_unwritten(
+                rows, np.asarray(written, np.int64), self.num_computed, self._block_size, self._kind_arrays[0],
+                self.tables, self.slots, self.block_slot, self.group_of,
+            )  # fmt: skip
         self.num_free += pool.free_slots(
             rows, self.num_computed, self.first_live, self._block_size, self.tables, self.nxt, self.prv, self.ref,
             self.group_of,
@@ -470,9 +465,9 @@ class HostState:
         manager's int64[S] computed, written and total tokens (zeroed). False, with nothing changed, where a slot
         comes twice."""
         freed = host_step.free_checked(
-            slots, *req_counts, self._block_size, self.first_live, self.num_computed, self.num_cached,
-            self.shared_len, self.num_hashed, self.prompt_len, self.tables, self.slots, self.block_slot,
-            self.group_of, self.ref, self.nxt, self.prv,
+            slots, *req_counts, self._block_size, self._kind_arrays[0], self.first_live, self.num_computed,
+            self.num_cached, self.shared_len, self.num_hashed, self.prompt_len, self.tables, self.slots,
+            self.block_slot, self.group_of, self.ref, self.nxt, self.prv,
         )  # fmt: skip
         self.num_free += max(freed, 0)
         return freed >= 0

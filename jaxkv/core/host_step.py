@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxkv.core.host_index import _INDEX, _POOL, _unindex, find, index_row, uncache
+from jaxkv.core.host_index import _INDEX, _POOL, STATE, _unindex, find, index_row, uncache
 from jaxkv.core.host_pool import _jit, free_slots, release_range, unlink
 from jaxkv.prefix.index import FIELDS
 
@@ -243,6 +243,37 @@ def allocate(
     )  # fmt: skip
 
 
+@_jit("boolean(int64[::1], int64)")
+def _repeats(rows, num_slots):
+    """Whether a slot comes twice in int64[R] rows."""
+    seen = np.zeros(num_slots, np.bool_)
+    for s in rows:
+        if seen[s]:
+            return True
+        seen[s] = True
+    return False
+
+
+@_jit(
+    "void(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int32[:, :, ::1], uint32[:, ::1], int32[:],"
+    " int32[:])"
+)
+def uncache_unwritten(rows, written, num_computed, block_size, kind, tables, slots, block_slot, group_of):
+    """For each row's slot whose last step is not known to have run (`written[i]` below its computed tokens),
+    the cached blocks of its attention groups from its written tokens on leave the index."""
+    for i in range(rows.shape[0]):
+        s = rows[i]
+        if written[i] >= num_computed[s]:
+            continue
+        for g in range(block_size.shape[0]):
+            if kind[g] == STATE:
+                continue
+            for j in range(written[i] // block_size[g], tables.shape[2]):
+                block = tables[g, s, j]
+                if block != 0 and group_of[block] >= 0:
+                    uncache(block, slots, block_slot, group_of)
+
+
 @_jit(
     "UniTuple(int64, 3)(int64[::1], int64[::1], int64[::1], boolean[::1], int64[::1], int64[::1], int64[::1],"
     " int64[::1], int64,"  # rows' inputs; the manager's counts (computed, written, tokens, shared length), max len
@@ -263,14 +294,14 @@ def allocate_checked(
     past the request's or `max_model_len`); otherwise `allocate`'s, with the counts of the rows that succeed
     advanced."""
     num_rows = slots_of.shape[0]
-    seen = np.zeros(req_computed.shape[0], np.bool_)
+    if _repeats(slots_of, req_computed.shape[0]):
+        return -1, 0, num_free
     for i in range(num_rows):
         s, k, h = slots_of[i], new[i], hits[i]
         n, total = req_computed[s], req_computed[s] + hits[i] + new[i]
         bad_hit = h > 0 and (n > 0 or h >= req_tokens[s])
-        if seen[s] or k < 0 or h < 0 or bad_hit or total > req_tokens[s] or total > max_model_len:
+        if k < 0 or h < 0 or bad_hit or total > req_tokens[s] or total > max_model_len:
             return -1, 0, num_free
-        seen[s] = True
     full, shared = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
     for i in range(num_rows):
         s = slots_of[i]
@@ -290,31 +321,24 @@ def allocate_checked(
 
 
 @_jit(
-    "int64(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[:, ::1], int64[::1], int64[:, ::1],"
-    f" int64[::1], int64[::1], int64[::1], int32[:, :, ::1], {_INDEX}, int32[:], int32[:], int32[:])"
+    "int64(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[:, ::1], int64[::1],"
+    f" int64[:, ::1], int64[::1], int64[::1], int64[::1], int32[:, :, ::1], {_INDEX}, int32[:], int32[:], int32[:])"
 )
 def free_checked(
-    rows, req_computed, req_written, req_tokens, block_size, first_live, num_computed, num_cached, shared_len,
+    rows, req_computed, req_written, req_tokens, block_size, kind, first_live, num_computed, num_cached, shared_len,
     num_hashed, prompt_len, tables, slots, block_slot, group_of, ref, nxt, prv,
 ):  # fmt: skip
     """A manager's free call (no speculative decoding; `jaxkv.manager.KVCacheManager.free_batch`) of int64[R]
     slots, with its per-request counts by slot (computed, written, tokens; zeroed). A slot whose last step is
     not known to have run (written below computed) first takes the blocks from its written tokens on out of the
-    index; then `free_slots`. Returns the blocks that became free, or -1 and changes nothing where a slot comes
-    twice."""
-    seen = np.zeros(req_computed.shape[0], np.bool_)
-    for s in rows:
-        if seen[s]:
-            return -1
-        seen[s] = True
-    for s in rows:
-        written = min(req_written[s], req_computed[s])
-        if written < num_computed[s]:
-            for g in range(block_size.shape[0]):
-                for j in range(written // block_size[g], tables.shape[2]):
-                    block = tables[g, s, j]
-                    if block != 0 and group_of[block] >= 0:
-                        uncache(block, slots, block_slot, group_of)
+    index (`uncache_unwritten`); then `free_slots`. Returns the blocks that became free, or -1 and changes nothing
+    where a slot comes twice."""
+    if _repeats(rows, req_computed.shape[0]):
+        return -1
+    written = np.empty(rows.shape[0], np.int64)
+    for i in range(rows.shape[0]):
+        written[i] = min(req_written[rows[i]], req_computed[rows[i]])
+    uncache_unwritten(rows, written, num_computed, block_size, kind, tables, slots, block_slot, group_of)
     freed = free_slots(rows, num_computed, first_live, block_size, tables, nxt, prv, ref, group_of)
     for s in rows:
         num_hashed[s] = shared_len[s] = prompt_len[s] = req_computed[s] = req_tokens[s] = 0
@@ -329,12 +353,11 @@ def append_checked(rows, lengths, req_tokens, req_written, req_computed, req_has
     the tokens count, what was computed counts as written, and the slots whose tokens now complete a hash unit
     go to `to_hash` (int64[R]) in row order. Returns how many went there, or -1 and changes nothing where a
     slot comes twice or would pass `max_model_len`."""
-    seen = np.zeros(req_tokens.shape[0], np.bool_)
+    if _repeats(rows, req_tokens.shape[0]):
+        return -1
     for i in range(rows.shape[0]):
-        s = rows[i]
-        if seen[s] or req_tokens[s] + lengths[i] > max_model_len:
+        if req_tokens[rows[i]] + lengths[i] > max_model_len:
             return -1
-        seen[s] = True
     num_to_hash = 0
     for i in range(rows.shape[0]):
         s = rows[i]
