@@ -44,12 +44,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import validation
 from jaxkv.core import state as st
 from jaxkv.core.host_convert import load_state, to_state
 from jaxkv.core.invariants import check_invariants
@@ -59,9 +59,6 @@ from jaxkv.planner.config import KVCacheConfig
 from jaxkv.planner.specs import NULL_BLOCK, cdiv
 from jaxkv.prefix.hashing import HashMode, UnitHasher, digests_to_keys
 from jaxkv.prefix.state import UPLOAD_WORDS, PrefixCacheConfig, partial_groups, store_hashes
-
-if TYPE_CHECKING:
-    from jaxkv.core.host import HostState
 
 PREFIX_STATS = ("lookups", "lookup_tokens", "hit_tokens", "reconciliation_miss_tokens", "claimed_hit_tokens")
 FREE_ROWS = 8  # pending frees carried by one allocation; more are flushed in their own dispatch
@@ -263,7 +260,7 @@ class KVCacheManager:
             self._append_checked = append_checked
         # An allocation as one compiled call, its checks and these counts included (no speculative decoding).
         self._compiled_host = self._host is not None and self._host.compiled and not num_speculative_tokens
-        self._host_taken = False  # the host state was handed over (take_state)
+        self._taken = False  # the state was handed over (take_state)
         self._state = None
         if self._host is None:
             self._state = st.init_state(cfg, self.max_num_seqs, prefix=self.prefix_config)
@@ -292,6 +289,7 @@ class KVCacheManager:
         self._unhashed: list[list[int] | None] = [None] * self.max_num_seqs
         self._num_tokens = np.zeros(self.max_num_seqs, np.int64)
         self._num_computed = np.zeros(self.max_num_seqs, np.int64)  # host mirror of the device's counts
+        self._num_scheduled = np.zeros(self.max_num_seqs, np.int64)  # tokens the last allocation scheduled
         # Tokens a forward pass is known to have written: up to the last `mark_computed`, or to the start of
         # the request's last allocation (a later call says the earlier ones' steps ran).
         self._num_written = np.zeros(self.max_num_seqs, np.int64)
@@ -335,8 +333,9 @@ class KVCacheManager:
         `append_token_ids` records, as their units complete, so that a preempted request's
         hasher may be passed again with its grown prompt.
         """
-        if request_id in self._slot_of:
+        if validation.hashable_id(request_id) in self._slot_of:
             raise ValueError(f"request {request_id!r} was already added; free it first or use a new id")
+        validation.token_ids(prompt_token_ids, f"prompt_token_ids of request {request_id!r}")
         if (cache_salt is not None or unit_hasher is not None) and not self.enable_prefix_caching:
             what = f"{cache_salt=}" if cache_salt is not None else "unit_hasher"
             raise ValueError(
@@ -344,6 +343,8 @@ class KVCacheManager:
                 "drop it or create the manager with enable_prefix_caching=True"
             )
         if unit_hasher is not None:
+            if not isinstance(unit_hasher, UnitHasher):
+                raise TypeError(f"unit_hasher must be a jaxkv.UnitHasher, got {type(unit_hasher).__name__}")
             if cache_salt is not None:
                 raise ValueError(f"{cache_salt=} and unit_hasher given: the hasher carries the salt")
             if unit_hasher.unit != self.prefix_config.unit or unit_hasher.mode != self.hash_mode:
@@ -402,6 +403,7 @@ class KVCacheManager:
 
     def get_computed_tokens_batch(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """`get_computed_tokens` for many requests, in one dispatch: int64[R]."""
+        self._check_held()
         slots = self._slots(request_ids)
         if self.prefix_config is None or not len(slots):
             return np.zeros(len(slots), np.int64)
@@ -429,16 +431,14 @@ class KVCacheManager:
         self._shared_len[slots] = packed[num_rows : num_rows + len(slots)]
         return packed[: len(slots)].astype(np.int64)
 
-    def _held_host(self) -> HostState:
-        if self._host_taken:
+    def _check_held(self) -> None:
+        """Raises if the state was handed over (`take_state`): every call that reads or changes it waits."""
+        if self._taken:
             raise ValueError("the state was handed over (take_state); give it back with adopt_state first")
-        return self._host
 
     def _lookup_host(self, slots: np.ndarray) -> np.ndarray:
         hits = np.empty(len(slots), np.int64)
-        stats = self._held_host().lookup_rows(
-            slots.astype(np.int64), self._num_tokens, self.use_eagle, hits, self._shared_len
-        )
+        stats = self._host.lookup_rows(slots.astype(np.int64), self._num_tokens, self.use_eagle, hits, self._shared_len)
         for name, value in zip(PREFIX_STATS[:4], stats):
             self.prefix_stats[name] += value
         return hits
@@ -451,12 +451,13 @@ class KVCacheManager:
     def append_token_ids_batch(self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]) -> None:
         """`append_token_ids` for many requests (a step's sampled tokens). With prefix caching, per request one
         list extend, and only the requests that complete a hash unit are hashed; without, only counts change."""
-        if self._host is not None and self._append_host(request_ids, new_token_ids):
+        self._check_held()
+        slots = self._known_slots(request_ids)
+        lengths = validation.token_lists(request_ids, new_token_ids, "new_token_ids")
+        if self._host is not None and slots is not None and self._append_host(slots, lengths, new_token_ids):
             return
         slots = self._slots(request_ids)
-        if len(new_token_ids) != len(slots):
-            raise ValueError(f"{len(new_token_ids)} token lists for {len(slots)} requests; give one per request")
-        num_tokens = self._num_tokens[slots] + np.fromiter(map(len, new_token_ids), np.int64, len(slots))
+        num_tokens = self._num_tokens[slots] + lengths
         over = num_tokens > self.cfg.max_model_len
         if over.any():
             i = int(np.flatnonzero(over)[0])
@@ -474,18 +475,11 @@ class KVCacheManager:
             for slot in slots[num_tokens // unit > self._num_hashed_tokens[slots] // unit].tolist():
                 self._hash_new_units(slot)
 
-    def _append_host(self, request_ids, new_token_ids) -> bool:
-        """`append_token_ids_batch` on the host backend: one compiled call for the counts and checks, one for the
-        new unit keys; False (nothing changed) where the call is not valid (the general path names what is
-        wrong)."""
-        num_rows, slots = len(request_ids), self._known_slots(request_ids)
-        try:
-            lengths = np.fromiter(map(len, new_token_ids), np.int64, len(new_token_ids))
-        except TypeError:
-            return False
-        if slots is None or len(lengths) != num_rows:
-            return False
-        to_hash = np.empty(num_rows, np.int64)
+    def _append_host(self, slots, lengths, new_token_ids) -> bool:
+        """`append_token_ids_batch` on the host backend, its tokens checked: one compiled call for the counts and
+        checks, one for the new unit keys; False (nothing changed) where the call is not valid (the general path
+        names what is wrong)."""
+        to_hash = np.empty(len(slots), np.int64)
         unit = self.prefix_config.unit if self.prefix_config is not None else self.cfg.max_model_len + 1
         num_to_hash = self._append_checked(
             slots, lengths, self._num_tokens, self._num_written, self._num_computed, self._num_hashed_tokens,
@@ -572,17 +566,30 @@ class KVCacheManager:
         and appended, per group capped at what one request can hold) fit: vLLM's
         admission gate.
         """
-        if self._compiled_host and (num_lookahead_tokens is None or not any(num_lookahead_tokens)):
-            ok = self._allocate_compiled(request_ids, num_new_tokens, num_new_computed_tokens, full_sequence_must_fit)
-            if ok is not None:
-                return ok
-        slots = self._slots(request_ids)
-        num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
+        self._check_held()
+        slots = self._known_slots(request_ids)
+        num_new = validation.counts(request_ids, num_new_tokens, "num_new_tokens")
+        hits, lookahead = np.zeros((2, len(request_ids)), np.int64)
+        if num_new_computed_tokens is not None:
+            hits = validation.counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
+        must_fit = validation.flags(request_ids, full_sequence_must_fit, "full_sequence_must_fit")
+        if num_lookahead_tokens is not None:
+            lookahead = validation.counts(request_ids, num_lookahead_tokens, "num_lookahead_tokens")
+        ok = None
+        if self._compiled_host and slots is not None and not lookahead.any():
+            ok = self._allocate_compiled(slots, num_new, hits, must_fit)
+        if ok is None:
+            slots = self._slots(request_ids)
+            ok = self._allocate_checked(request_ids, slots, num_new, hits, must_fit, lookahead)
+        self._num_scheduled[slots] = np.where(ok, num_new, 0)
+        return ok
+
+    def _allocate_checked(self, request_ids, slots, num_new, hits, must_fit, lookahead) -> np.ndarray:
+        """`allocate_slots_batch` with its arguments' types checked: the rules on the counts, then the
+        allocation on either backend."""
         num_computed = self._num_computed[slots]
         num_tokens = self._num_tokens[slots]
-        hits = np.zeros(len(slots), np.int64)
-        if num_new_computed_tokens is not None and any(num_new_computed_tokens):
-            hits[:] = self._counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
+        if hits.any():
             bad = (hits > 0) & ((num_computed > 0) | (hits >= num_tokens) | (self.prefix_config is None))
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
@@ -599,14 +606,11 @@ class KVCacheManager:
                 f"{num_computed[i] + hits[i]} computed: it cannot schedule {num_new[i]} more"
                 f"{drafts if self.num_speculative_tokens else ''}; append the tokens first (append_token_ids)"
             )
-        lookahead = np.zeros(len(slots), np.int64)
-        if num_lookahead_tokens is not None and any(num_lookahead_tokens):
-            lookahead[:] = self._counts(request_ids, num_lookahead_tokens, "num_lookahead_tokens")
-            if not self.num_speculative_tokens:
-                raise ValueError(
-                    "num_lookahead_tokens given on a manager without speculative decoding; create it with "
-                    "num_speculative_tokens > 0"
-                )
+        if lookahead.any() and not self.num_speculative_tokens:
+            raise ValueError(
+                "num_lookahead_tokens given on a manager without speculative decoding; create it with "
+                "num_speculative_tokens > 0"
+            )
         past = num_computed + hits + num_new + lookahead > self.cfg.max_model_len
         if past.any():
             i = int(np.flatnonzero(past)[0])
@@ -615,18 +619,7 @@ class KVCacheManager:
                 f"and {lookahead[i]} lookahead slots exceed max_model_len={self.cfg.max_model_len}; "
                 "schedule fewer drafts near the end"
             )
-        full = np.zeros(len(slots), np.int64)
-        if isinstance(full_sequence_must_fit, (bool, np.bool_)):
-            if full_sequence_must_fit:
-                full[:] = num_tokens
-        else:
-            must_fit = np.asarray(full_sequence_must_fit, bool)
-            if must_fit.shape != slots.shape:
-                raise ValueError(
-                    f"full_sequence_must_fit has shape {must_fit.shape}; expected one flag per "
-                    f"request ({len(slots)}) or a single bool"
-                )
-            full[:] = np.where(must_fit, num_tokens, 0)
+        full = np.where(must_fit, num_tokens, 0)
         if self._host is not None:
             return self._allocate_host(slots, num_new, hits, full, lookahead, num_computed, num_tokens)
         if len(self._pending_free) > FREE_ROWS:
@@ -719,26 +712,10 @@ class KVCacheManager:
         self._check()
         return ok
 
-    def _allocate_compiled(self, request_ids, num_new_tokens, num_new_computed_tokens, full_sequence_must_fit):
-        """`allocate_slots_batch` as one compiled call (`HostState.allocate_checked`), or None where the call is
-        not valid (the general path names what is wrong)."""
-        num_rows, slots = len(request_ids), self._known_slots(request_ids)
-        if slots is None:
-            return None
-        try:
-            new = np.asarray(num_new_tokens, np.int64)
-            hits = np.zeros(num_rows, np.int64)
-            if num_new_computed_tokens is not None:
-                hits = np.asarray(num_new_computed_tokens, np.int64)
-            if isinstance(full_sequence_must_fit, (bool, np.bool_)):
-                must_fit = np.full(num_rows, bool(full_sequence_must_fit))
-            else:
-                must_fit = np.asarray(full_sequence_must_fit, bool)
-        except (TypeError, ValueError):
-            return None
-        if not slots.shape == new.shape == hits.shape == must_fit.shape:
-            return None
-        num_ok, num_hit = self._held_host().allocate_checked(
+    def _allocate_compiled(self, slots, new, hits, must_fit):
+        """`allocate_slots_batch` as one compiled call (`HostState.allocate_checked`) on checked counts, or None
+        where the call breaks a rule (the general path names it)."""
+        num_ok, num_hit = self._host.allocate_checked(
             slots, new, hits, must_fit, self._host_counts, self.cfg.max_model_len
         )
         if num_ok < 0:
@@ -746,11 +723,11 @@ class KVCacheManager:
         self.prefix_stats["claimed_hit_tokens"] += num_hit
         self.last_work = None
         self._check()
-        return np.arange(num_rows) < num_ok
+        return np.arange(len(slots)) < num_ok
 
     def _allocate_host(self, slots, num_new, hits, full, lookahead, num_computed, num_tokens) -> np.ndarray:
         """`allocate_slots_batch` on the host state, in place."""
-        host, caching, speculating = self._held_host(), self.prefix_config is not None, self.num_speculative_tokens
+        host, caching, speculating = self._host, self.prefix_config is not None, self.num_speculative_tokens
         self._num_written[slots] = num_computed  # this call says the rows' earlier steps ran
         pending = self._pending_reject[slots] if speculating else None
         if speculating and pending.any():  # rejected drafts and the last call's lookahead slots
@@ -811,8 +788,9 @@ class KVCacheManager:
 
     def reject_tokens_batch(self, request_ids: Sequence[Hashable], num_rejected_tokens: Sequence[int]) -> None:
         """`reject_tokens` for many requests (a step's verification outcome)."""
+        self._check_held()
         slots = self._slots(request_ids)
-        rejected = self._counts(request_ids, num_rejected_tokens, "num_rejected_tokens")
+        rejected = validation.counts(request_ids, num_rejected_tokens, "num_rejected_tokens")
         over = rejected > self._num_drafts[slots]
         if over.any():
             i = int(np.flatnonzero(over)[0])
@@ -823,6 +801,7 @@ class KVCacheManager:
             )
         self._num_computed[slots] -= rejected
         self._num_drafts[slots] -= rejected
+        self._num_scheduled[slots] -= rejected  # the step's metadata has the verified tokens only
         self._pending_reject[slots] += rejected
         self._num_written[slots] = np.minimum(self._num_written[slots], self._num_computed[slots])
 
@@ -932,6 +911,7 @@ class KVCacheManager:
         step findable: the states that step would have saved are not indexed, and the attention blocks
         its allocation indexed (vLLM's rule: findable once scheduled) leave the index. Host only.
         """
+        self._check_held()
         if request_ids is None:
             self._num_written[:] = self._num_computed
             return
@@ -951,9 +931,10 @@ class KVCacheManager:
 
         The device work rides on the next allocation's dispatch (or the next read).
         """
+        self._check_held()
         if self._compiled_host:  # one compiled call, its check included; the general path names an error
             slots = self._known_slots(request_ids)
-            if slots is not None and self._held_host().free_checked(slots, self._host_counts[:3]):
+            if slots is not None and self._host.free_checked(slots, self._host_counts[:3]):
                 for request_id, slot in zip(request_ids, slots.tolist()):
                     del self._slot_of[request_id]
                     self._hashers[slot] = self._unhashed[slot] = None
@@ -965,7 +946,7 @@ class KVCacheManager:
         counts = num_computed + self._pending_reject[slots]  # rejected drafts still held
         if self._host is not None:
             written = self._num_written[slots]
-            self._held_host().free(slots.tolist(), np.where(written >= num_computed, counts, written).tolist())
+            self._host.free(slots.tolist(), np.where(written >= num_computed, counts, written).tolist())
             holding = slots[:0]
         else:  # requests with nothing computed hold no block; their keys on the device must go too
             holding = slots[(counts > 0) | (self._num_uploaded[slots] > 0)]
@@ -982,6 +963,7 @@ class KVCacheManager:
         for request_id, slot in zip(request_ids, slots.tolist()):
             del self._slot_of[request_id]
             self._hashers[slot] = self._keys[slot] = self._unhashed[slot] = None
+        self._num_scheduled[slots] = 0
         if self._uploads:  # keys not on the device yet of a freed request: never needed
             freed = set(slots.tolist())
             self._uploads = {s: first for s, first in self._uploads.items() if s not in freed}
@@ -1020,6 +1002,7 @@ class KVCacheManager:
     # ---- reading ---------------------------------------------------------------------------
     def get_block_ids(self, request_id: Hashable) -> tuple[tuple[int, ...], ...]:
         """Per group, the block ids the request was given, NULL_BLOCK where the group no longer needs one."""
+        self._check_held()
         slot = self._slot(request_id)
         n = int(self._num_computed[slot])
         tables = self.state.block_tables if self._host is None else self._host.tables
@@ -1029,6 +1012,7 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: free plus evictable cached ones, the null block excluded."""
+        self._check_held()
         if self._host is not None:
             return self._host.num_free
         if self._num_free_blocks is None:
@@ -1047,8 +1031,9 @@ class KVCacheManager:
         Counts advanced on the host only, pending frees and unit keys are applied first. Pass
         `prefix=mgr.prefix_config` to the transitions.
         """
+        self._check_held()
         if self._host is not None:
-            return to_state(self._held_host())
+            return to_state(self._host)
         self._sync_counts()
         self._flush_frees()
         self._flush_uploads()
@@ -1102,7 +1087,7 @@ class KVCacheManager:
             self.allocate_slots_batch(pending, [0] * len(pending))
         state = self.state
         self._state = None
-        self._host_taken = self._host is not None
+        self._taken = True
         return state
 
     def adopt_state(
@@ -1125,32 +1110,45 @@ class KVCacheManager:
         their computed tokens is read back from the device (one transfer). Append the
         tokens they produced with `append_token_ids` before scheduling them again.
         """
-        if self._state is not None or (self._host is not None and not self._host_taken):
+        if not self._taken:
             raise ValueError("adopt_state without take_state: the manager still holds its state")
+        if not isinstance(state, st.ManagerState):
+            raise TypeError(f"state must be the ManagerState that take_state gave, got {type(state).__name__}")
         slots = self._slots(request_ids)
+        rejected = np.zeros(len(slots), np.int64)
+        if num_rejected_tokens is not None:
+            rejected = validation.counts(request_ids, num_rejected_tokens, "num_rejected_tokens")
+        pinned = np.asarray(pinned_copies).reshape(-1)
+        if pinned.size and (pinned.dtype.kind not in "iu" or pinned.min() < 0 or pinned.max() >= self.cfg.num_blocks):
+            raise ValueError(
+                f"pinned_copies={validation.short(pinned_copies)} must be block ids in [0, {self.cfg.num_blocks})"
+            )
+        num_computed, first_live, num_free = jax.device_get(
+            (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
+        )
+        if (rejected > num_computed).any():
+            i = int(np.flatnonzero(rejected > num_computed)[0])
+            raise ValueError(
+                f"num_rejected_tokens={rejected[i]} for request {request_ids[i]!r}: the loop computed "
+                f"{num_computed[i]} tokens of it"
+            )
+        self._taken = False
         if self._host is None:
             self._state = state
         else:
             load_state(self._host, state)
-            self._host_taken = False
             for slot in self._slot_of.values():  # the hashers' keys
                 if self._hashers[slot] is not None:
                     self._host.set_keys(slot, self._hashers[slot].keys)
-        num_computed, first_live, num_free = jax.device_get(
-            (state.num_computed[slots], state.first_live_idx[:, slots].T, state.pool.num_free_blocks)
-        )
-        rejected = np.zeros(len(slots), np.int64)
-        if num_rejected_tokens is not None:
-            rejected[:] = self._counts(request_ids, num_rejected_tokens, "num_rejected_tokens")
         self._num_computed[slots] = num_computed - rejected
         self._num_written[slots] = num_computed - rejected  # the loop ran each step it allocated
         self._pending_reject[slots] = rejected
-        self._num_drafts[slots] = self._lookahead[slots] = 0
+        self._num_drafts[slots] = self._lookahead[slots] = self._num_scheduled[slots] = 0
         self._first_live[slots] = first_live
         if state.prefix is not None:
             self._num_cached[slots] = jax.device_get(state.prefix.num_cached_blocks[:, slots].T)
         self._num_free_blocks = int(num_free)
-        self._release.extend(int(d) for d in np.asarray(pinned_copies).reshape(-1) if d != NULL_BLOCK)
+        self._release.extend(int(d) for d in pinned if d != NULL_BLOCK)
         self._check()
 
     def slots_of(self, request_ids: Sequence[Hashable]) -> np.ndarray:
@@ -1161,6 +1159,7 @@ class KVCacheManager:
         """int32[G, R, M] on device: the requests' block tables as the attention kernels take them.
 
         Raises if block copies were not taken (`take_block_copies`)."""
+        self._check_held()
         self._check_copies_taken()
         return st.block_tables(self._tables_state(), self._slots(request_ids))
 
@@ -1171,14 +1170,29 @@ class KVCacheManager:
         lookahead slots, which follow them, are left out. Call it before `reject_tokens`.
 
         Raises if block copies were not taken (`take_block_copies`)."""
-        self._check_copies_taken()
-        num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
-        if num_new.sum() > num_tokens:
-            raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
-        slots = self._slots(request_ids)
+        slots, num_new = self._step_rows(request_ids, num_new_tokens, num_tokens)
         return st.slot_mappings(
             self._tables_state(), slots, num_new, self._lookahead_of(slots), cfg=self.cfg, num_tokens=num_tokens
         )
+
+    def _step_rows(self, request_ids, num_new_tokens, num_tokens) -> tuple[np.ndarray, np.ndarray]:
+        """The slots and the checked new-token counts of a step's metadata: each count at most what the
+        request's last allocation scheduled (its verified drafts included), all of them within `num_tokens`."""
+        self._check_held()
+        self._check_copies_taken()
+        slots = self._slots(request_ids)
+        num_new = validation.counts(request_ids, num_new_tokens, "num_new_tokens")
+        validation.count(num_tokens, "num_tokens")
+        over = num_new > self._num_scheduled[slots]
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(
+                f"num_new_tokens={num_new[i]} for request {request_ids[i]!r}: its last allocation scheduled "
+                f"{self._num_scheduled[slots[i]]} tokens; give the counts of the step's allocation"
+            )
+        if num_new.sum() > num_tokens:
+            raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
+        return slots, num_new
 
     def _lookahead_of(self, slots, num_rows: int | None = None) -> np.ndarray | None:
         """int32[R] the rows' lookahead slots (padded to `num_rows`), None if no row has one."""
@@ -1200,14 +1214,10 @@ class KVCacheManager:
         Lookahead slots are left out. Call it before `reject_tokens`.
 
         Raises if block copies were not taken (`take_block_copies`)."""
-        self._check_copies_taken()
-        num_new = self._counts(request_ids, num_new_tokens, "num_new_tokens")
-        num_rows = self.max_num_seqs if num_rows is None else num_rows
+        slots, num_new = self._step_rows(request_ids, num_new_tokens, num_tokens)
+        num_rows = self.max_num_seqs if num_rows is None else validation.count(num_rows, "num_rows", minimum=1)
         if len(request_ids) > num_rows:
             raise ValueError(f"{num_rows=} cannot hold the {len(request_ids)} requests")
-        if num_new.sum() > num_tokens:
-            raise ValueError(f"{num_tokens=} cannot hold the {num_new.sum()} scheduled tokens")
-        slots = self._slots(request_ids)
         return _step_metadata(
             self._tables_state(),
             self._pad(slots, num_rows, self.max_num_seqs),
@@ -1232,38 +1242,33 @@ class KVCacheManager:
     # ---- helpers ---------------------------------------------------------------------------
     def _slot(self, request_id: Hashable) -> int:
         try:
-            return self._slot_of[request_id]
+            return self._slot_of[validation.hashable_id(request_id)]
         except KeyError:
             raise KeyError(f"unknown request id {request_id!r}; add it with add_request first") from None
 
     def _known_slots(self, request_ids: Sequence[Hashable]) -> np.ndarray | None:
         """int64[R]: the requests' slots, unchecked for repeats (the compiled calls check); None where one is
-        unknown (`_slots` names it)."""
+        unknown (`_slots` names it). Raises if `request_ids` is not a sequence of hashable ids."""
+        validation.sequence(request_ids, "request_ids")
         try:
             return np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int64, len(request_ids))
         except KeyError:
             return None
+        except TypeError:
+            for request_id in request_ids:
+                validation.hashable_id(request_id)
+            raise
 
     def _slots(self, request_ids: Sequence[Hashable]) -> np.ndarray:
-        try:
-            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), np.int32, len(request_ids))
-        except KeyError as e:
-            raise KeyError(f"unknown request id {e.args[0]!r}; add it with add_request first") from None
+        slots = self._known_slots(request_ids)
+        if slots is None:
+            self._slot(next(r for r in request_ids if r not in self._slot_of))
+        slots = slots.astype(np.int32)
         if len(slots) > 1 and np.bincount(slots).max() > 1:
             seen = set()
             duplicate = next(r for r in request_ids if r in seen or seen.add(r))
             raise ValueError(f"request {duplicate!r} appears twice in one batch")
         return slots
-
-    @staticmethod
-    def _counts(request_ids, values, name: str) -> np.ndarray:
-        counts = np.asarray(values, np.int64)
-        if counts.shape != (len(request_ids),):
-            raise ValueError(f"{name} has shape {counts.shape}; expected one count per request ({len(request_ids)})")
-        if (counts < 0).any():
-            i = int(np.flatnonzero(counts < 0)[0])
-            raise ValueError(f"{name}={counts[i]} for request {request_ids[i]!r} is negative")
-        return counts
 
     @staticmethod
     def _pad(values: np.ndarray, num_rows: int, fill: int) -> np.ndarray:
@@ -1281,6 +1286,7 @@ class KVCacheManager:
         with and without pending frees, as far as MAX_PROGRAMS allows. Other signatures compile on first
         use (set JAX's persistent compilation cache to keep them across runs). Lookups compile per key
         width on first use."""
+        self._check_held()
         if self._host is not None:  # nothing to compile
             return
         uploads = None

@@ -155,12 +155,12 @@ def test_errors_name_the_offending_value(backend, cfg):
     assert not mgr.allocate_slots("a", 1, num_new_computed_tokens=2)  # not in the cache: refused
     with pytest.raises(ValueError, match="request 'a' appears twice"):
         mgr.allocate_slots_batch(["a", "a"], [1, 1])
-    with pytest.raises(ValueError, match="num_new_tokens has shape"):
+    with pytest.raises(ValueError, match="num_new_tokens has 2 entries"):
         mgr.allocate_slots_batch(["a"], [1, 1])
-    with pytest.raises(ValueError, match="full_sequence_must_fit has shape"):
+    with pytest.raises(ValueError, match="full_sequence_must_fit has 2 entries"):
         mgr.allocate_slots_batch(["a"], [1], full_sequence_must_fit=[True, False])
     mgr.add_request("b", [1, 2, 3, 4])
-    with pytest.raises(ValueError, match="full_sequence_must_fit has shape"):
+    with pytest.raises(ValueError, match="full_sequence_must_fit has 1 entries"):
         mgr.allocate_slots_batch(["a", "b"], [1, 1], full_sequence_must_fit=[True])
     with pytest.raises(ValueError, match="num_new_computed_tokens=-2 for request 'b' is negative"):
         mgr.allocate_slots_batch(["a", "b"], [1, 1], [0, -2])

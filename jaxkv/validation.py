@@ -1,0 +1,141 @@
+"""The manager's input checks at the host boundary, shared by both backends.
+
+Each public `KVCacheManager` call checks its arguments here before anything moves, so a refused call
+leaves the manager exactly as it was. The checks refuse what Python or numpy would otherwise coerce:
+a count is an integer (Python `int` or a numpy integer; not bool, float or str) in [0, 2**31 − 1], a
+token id an integer in [0, 2**32 − 1], whether or not prefix caching is on; a sequence of ids, counts
+or tokens is a real sequence (not a bare string, whose characters would pass for ids, nor an iterator).
+Errors are `TypeError` for a wrong type and `ValueError` for a value out of range; each names the
+parameter and the value, and the request where there is one.
+
+Dimensions: R requests in one call.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32 (`jaxkv.prefix.hashing`)
+MAX_COUNT = 2**31 - 1  # counts are int32 on the device
+
+
+def short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def sequence(values, name: str) -> Sequence:
+    """`values` itself if it is a sequence (list, tuple, numpy array, ...), not a str, bytes or iterator."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"{name} must be a list, tuple or array, not {type(values).__name__} {short(values)}"
+            + (" (its characters would be taken one by one)" if isinstance(values, (str, bytes)) else "")
+        )
+    return values
+
+
+def hashable_id(request_id, name: str = "request_id") -> Hashable:
+    try:
+        hash(request_id)
+    except TypeError:
+        raise TypeError(f"{name}={short(request_id)} is not hashable; use a str or int id") from None
+    return request_id
+
+
+def counts(request_ids: Sequence[Hashable], values, name: str) -> np.ndarray:
+    """int64[R]: one count per request, each an integer in [0, MAX_COUNT]."""
+    sequence(values, name)
+    if len(values) != len(request_ids):
+        raise ValueError(f"{name} has {len(values)} entries; expected one per request ({len(request_ids)})")
+    if not len(values):
+        return np.zeros(0, np.int64)
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got an array of {values.dtype}{list(values.shape)}")
+        low, high = values.min(), values.max()
+    else:
+        if not set(map(type, values)) <= {int}:
+            i = next((i for i, v in enumerate(values) if not _is_int(v)), None)
+            if i is not None:
+                raise TypeError(
+                    f"{name}={short(values[i])} for request {request_ids[i]!r} must be an int, "
+                    f"not {type(values[i]).__name__}"
+                )
+        low, high = min(values), max(values)
+    if low < 0 or high > MAX_COUNT:
+        i = next(i for i, v in enumerate(values) if not 0 <= v <= MAX_COUNT)
+        what = "is negative" if values[i] < 0 else f"is beyond {MAX_COUNT}"
+        raise ValueError(f"{name}={values[i]} for request {request_ids[i]!r} {what}")
+    return np.asarray(values, np.int64)
+
+
+def count(value, name: str, *, minimum: int = 0) -> int:
+    """One integer argument in [minimum, MAX_COUNT]."""
+    if not _is_int(value):
+        raise TypeError(f"{name}={short(value)} must be an int, not {type(value).__name__}")
+    if not minimum <= value <= MAX_COUNT:
+        raise ValueError(f"{name}={value} must lie in [{minimum}, {MAX_COUNT}]")
+    return int(value)
+
+
+def flags(request_ids: Sequence[Hashable], values, name: str) -> np.ndarray:
+    """bool[R]: one bool for every request, or one per request."""
+    if isinstance(values, (bool, np.bool_)):
+        return np.full(len(request_ids), bool(values))
+    sequence(values, name)
+    if len(values) != len(request_ids):
+        raise ValueError(
+            f"{name} has {len(values)} entries; expected one flag per request ({len(request_ids)}) or a single bool"
+        )
+    if not (isinstance(values, np.ndarray) and values.dtype == bool):
+        i = next((i for i, v in enumerate(values) if not isinstance(v, (bool, np.bool_))), None)
+        if i is not None:
+            raise TypeError(f"{name}={short(values[i])} for request {request_ids[i]!r} must be a bool")
+    return np.asarray(values, bool)
+
+
+def token_ids(values, what: str) -> Sequence[int]:
+    """One request's token ids, unchanged: a sequence of ints in [0, MAX_TOKEN_ID] (or a 1-D integer array)."""
+    sequence(values, what)
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be a 1-D array of integer token ids, got {values.dtype}{list(values.shape)}")
+        if values.size and (values.min() < 0 or values.max() > MAX_TOKEN_ID):
+            raise ValueError(f"{what}: token ids must lie in [0, {MAX_TOKEN_ID}], got {values.min()}..{values.max()}")
+        return values
+    if not set(map(type, values)) <= {int}:
+        bad = next((t for t in values if not _is_int(t)), None)
+        if bad is not None:
+            raise TypeError(f"{what}: token id {short(bad)} must be an int, not {type(bad).__name__}")
+    if values and (min(values) < 0 or max(values) > MAX_TOKEN_ID):
+        bad = next(t for t in values if not 0 <= t <= MAX_TOKEN_ID)
+        raise ValueError(f"{what}: token id {bad} lies outside [0, {MAX_TOKEN_ID}]")
+    return values
+
+
+def token_lists(request_ids: Sequence[Hashable], lists, name: str) -> np.ndarray:
+    """int64[R]: the lengths of one token list per request, every token checked as by `token_ids` (one C
+    pass over all of them where they are plain ints)."""
+    sequence(lists, name)
+    if len(lists) != len(request_ids):
+        raise ValueError(f"{name} has {len(lists)} token lists for {len(request_ids)} requests; give one per request")
+    try:
+        if set(map(type, lists)) <= {list, tuple}:
+            lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+            tokens = itertools.chain.from_iterable(lists)
+            if set(map(type, tokens)) <= {int}:
+                array.array("I", itertools.chain.from_iterable(lists))  # the range check
+                return lengths
+    except OverflowError:
+        pass
+    for rid, ids in zip(request_ids, lists):  # one list at a time: name the one that fails
+        token_ids(ids, f"{name} of request {rid!r}")
+    return np.fromiter(map(len, lists), np.int64, len(lists))
