@@ -112,9 +112,9 @@ def token_ids(values, what: str) -> Sequence[int]:
             raise ValueError(f"{what}: token ids must lie in [0, {MAX_TOKEN_ID}], got {values.min()}..{values.max()}")
         return values
     if not set(map(type, values)) <= {int}:
-        bad = next((t for t in values if not _is_int(t)), None)
-        if bad is not None:
-            raise TypeError(f"{what}: token id {short(bad)} must be an int, not {type(bad).__name__}")
+        i = next((i for i, t in enumerate(values) if not _is_int(t)), None)
+        if i is not None:
+            raise TypeError(f"{what}: token id {short(values[i])} must be an int, not {type(values[i]).__name__}")
     if values and (min(values) < 0 or max(values) > MAX_TOKEN_ID):
         bad = next(t for t in values if not 0 <= t <= MAX_TOKEN_ID)
         raise ValueError(f"{what}: token id {bad} lies outside [0, {MAX_TOKEN_ID}]")
