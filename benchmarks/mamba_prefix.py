@@ -142,7 +142,7 @@ def serve(conversations, unit: int | None, concurrency: int, max_chunk: int, num
     checkpoint = open_checkpoint(CHECKPOINT)
     specs = specs_from_hf_config(checkpoint.config, dtype="float32", block_size=block_size)
     max_model_len = max(len(prompt) + answer for conv in conversations for prompt, answer in conv)
-    probe = plan(specs, 1 << 40, max_model_len=max_model_len, max_num_batched_tokens=max_chunk)
+    probe = plan(specs, 1 << 30, max_model_len=max_model_len, max_num_batched_tokens=max_chunk)
     cfg = plan(specs, num_blocks * probe.bytes_per_block, max_model_len=max_model_len, max_num_batched_tokens=max_chunk)
     assert {g.block_size for g in cfg.groups} == {block_size}, cfg.summary()
     loop = ServingLoop(

@@ -78,7 +78,7 @@ def gemma3_27b_config(num_blocks: int, max_model_len: int, max_num_batched_token
         for i in range(NUM_LAYERS)
     }
     plan_args = dict(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, grouping="vllm")
-    bytes_per_block = plan(layers, 1 << 50, **plan_args).bytes_per_block
+    bytes_per_block = plan(layers, 1 << 40, **plan_args).bytes_per_block
     cfg = plan(layers, num_blocks * bytes_per_block, **plan_args)
     assert cfg.num_blocks == num_blocks, (cfg.num_blocks, num_blocks)
     return cfg

@@ -43,14 +43,17 @@ class Checkpoint:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(
             f"{path} is missing; a checkpoint directory holds config.json, model.safetensors "
             "(or model.safetensors.index.json and its shards) and tokenizer.json"
         ) from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}; expected an object ({{...}})")
+    return value
 
 
 def open_checkpoint(path) -> Checkpoint:

@@ -88,13 +88,36 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+# The least value of each integer option (None, an option's absence, is its default).
+MIN_VALUES = {
+    "--num-prompts": 1,
+    "--max-new-tokens": 1,
+    "--system-prompt-len": 0,
+    "--max-prompt-len": 1,
+    "--block-size": 1,
+    "--num-blocks": 2,
+    "--prefix-match-unit": 1,
+    "--max-num-seqs": 1,
+    "--max-num-batched-tokens": 1,
+    "--decode-steps": 1,
+    "--tp": 1,
+    "--draft-layers": 1,
+    "--seed": 0,
+    "--num-processes": 1,
+    "--process-id": 0,
+}
+
+
 def read_prompts(args, checkpoint, vocab_size: int) -> list[list[int]]:
     """--prompt-tokens, else --prompt (tokenized), else the toy's random prompts with a shared system prompt."""
     import numpy as np
 
     if args.prompt_tokens is not None:
-        with open(args.prompt_tokens) as f:
-            prompts = json.load(f)
+        try:
+            with open(args.prompt_tokens) as f:
+                prompts = json.load(f)
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not text
+            raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: {e}") from None
         if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)):
             raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: expected a JSON list of non-empty lists of ids")
         bad = [t for p in prompts for t in p if not (isinstance(t, int) and 0 <= t < vocab_size)]
@@ -132,8 +155,10 @@ def write_logits(path: str, requests, vocab_size: int) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: generate at least 1 token")
+    for option, low in MIN_VALUES.items():
+        value = getattr(args, option.removeprefix("--").replace("-", "_"))
+        if value is not None and value < low:
+            raise SystemExit(f"{option} {value}: must be at least {low}")
     if args.checkpoint is not None and args.tiny:
         raise SystemExit("--tiny picks the toy model; with --checkpoint the checkpoint is the model")
     if args.checkpoint is not None and args.check and args.dtype != "float32":
@@ -164,7 +189,10 @@ def main(argv=None) -> int:
     if args.checkpoint is not None:
         from checkpoint import load_model, open_checkpoint
 
-        checkpoint = open_checkpoint(args.checkpoint)
+        try:
+            checkpoint = open_checkpoint(args.checkpoint)
+        except ValueError as e:
+            raise SystemExit(f"--checkpoint {args.checkpoint}: {e}") from None
         if checkpoint.text.model_type == "qwen3_next" and args.tp > 1:
             raise SystemExit(f"{args.checkpoint}: the Qwen3-Next example runs on one device; drop --tp {args.tp}")
         model = load_model(checkpoint, args.dtype)
@@ -186,8 +214,10 @@ def main(argv=None) -> int:
         vocab_size = model_cfg.vocab_size
     prompts = read_prompts(args, checkpoint, vocab_size)
     max_model_len = max(map(len, prompts)) + args.max_new_tokens
+    # The block's bytes only (vLLM's grouping depends on neither budget nor length): one 1-token request in 2 GiB,
+    # which every model fits and which int32 slots address (a page holds at least a byte per token).
     probe = jaxkv.plan(
-        specs, 1 << 40, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm"
+        specs, 1 << 31, max_model_len=1, max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm"
     )
     if args.num_blocks is not None:
         budget = args.num_blocks * probe.bytes_per_block
@@ -195,9 +225,16 @@ def main(argv=None) -> int:
         budget = 100 * probe.bytes_per_block
     else:
         budget = args.max_num_seqs * probe.bytes_per_request(max_model_len) + probe.bytes_per_block
-    kv_cfg = jaxkv.plan(
-        specs, budget, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, grouping="vllm"
-    )
+    try:
+        kv_cfg = jaxkv.plan(
+            specs,
+            budget,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            grouping="vllm",
+        )
+    except ValueError as e:
+        raise SystemExit(f"--num-blocks {budget // probe.bytes_per_block}: {e}") from None
     mesh = model_mesh(args.tp) if args.tp > 1 else None
     proposer = None
     if args.speculate is not None:

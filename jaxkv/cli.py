@@ -24,19 +24,43 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m[2].lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 40GiB, 1.5GB, 4096MiB or a byte count")
-    return int(float(m[1]) * _UNITS[m[2].lower()])
+    num_bytes = int(float(m[1]) * _UNITS[m[2].lower()])
+    if num_bytes < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    return num_bytes
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: '16' → 16; anything but a positive integer is refused (argparse names the option)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def read_json(path: str) -> dict:
+    """The JSON object in file `path`; ValueError naming the file when it holds anything else."""
+    with open(path) as f:
+        try:
+            value = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object ({{...}}), not a {type(value).__name__}")
+    return value
 
 
 def _add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan a KV cache for a Hugging Face config.json and print the summary")
     p.add_argument("--hf-config", required=True, metavar="PATH", help="the model's config.json")
     p.add_argument("--memory", required=True, type=parse_bytes, help="KV cache budget, e.g. 40GiB")
-    p.add_argument("--max-model-len", required=True, type=int)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", required=True, type=positive_int)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--dtype", default="bfloat16", help="KV cache dtype (default bfloat16)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per block (default: 16, 64 for DeepSeek-V3.2)")
+    p.add_argument(
+        "--block-size", type=positive_int, default=None, help="tokens per block (default: 16, 64 for DeepSeek-V3.2)"
+    )
     p.add_argument("--grouping", choices=GROUPINGS, default="auto")
-    p.add_argument("--max-groups", type=int, default=16, help="most groups grouping=auto may create")
+    p.add_argument("--max-groups", type=positive_int, default=16, help="most groups grouping=auto may create")
     p.add_argument("--layout", choices=LAYOUTS, default="BLHNC")
     p.add_argument("--no-hybrid", action="store_true", help="allocate every attention layer as full attention")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -45,8 +69,7 @@ def _add_plan_parser(sub) -> None:
 
 
 def _cmd_plan(args) -> None:
-    with open(args.hf_config) as f:
-        config = json.load(f)
+    config = read_json(args.hf_config)
     layers = specs_from_hf_config(config, dtype=args.dtype, block_size=args.block_size)
     cfg = plan(
         layers,
@@ -97,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxkv", description="jaxkv: paged KV caches for hybrid models")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
-    add_layout_parser(sub, parse_bytes)
+    add_layout_parser(sub, parse_bytes, positive_int, read_json)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -14,6 +14,12 @@ from jaxkv.cli import main, parse_bytes
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIGS = sorted(glob.glob(str(ROOT / "tests/configs/*.json")))
 GEMMA, LLAMA = str(ROOT / "tests/configs/gemma3_27b.json"), str(ROOT / "tests/configs/llama3_8b.json")
+PLAN = ["plan", "--memory", "4GiB", "--max-model-len", "1024"]
+
+
+def llama(**changes) -> str:
+    """llama3_8b's config.json with `changes`, as file text."""
+    return json.dumps({**json.loads(pathlib.Path(LLAMA).read_text()), **changes})
 
 
 def test_parse_bytes():
@@ -67,3 +73,67 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     argv = ["plan", "--hf-config", LLAMA, "--memory", "4GiB", "--max-model-len", "1024"]
     with pytest.raises(SystemExit, match=r"pip install 'jaxkv\[plot\]'"):
         main([*argv, "--plot", str(tmp_path / "x.png")])
+
+
+@pytest.mark.parametrize(
+    "argv, text, named",
+    [
+        pytest.param([*PLAN, "--hf-config"], "[1, 2]", "{path}: expected a JSON object", id="config-is-a-list"),
+        pytest.param([*PLAN, "--hf-config"], "garbage{", "{path}: not a JSON file", id="config-not-json"),
+        pytest.param(
+            [*PLAN, "--hf-config"],
+            llama(num_hidden_layers="sixty"),
+            "config.json: num_hidden_layers='sixty' must be a positive integer",
+            id="count-is-a-string",
+        ),
+        pytest.param([*PLAN, "--hf-config"], llama(num_hidden_layers=2.5), "num_hidden_layers=2.5", id="count-float"),
+        pytest.param([*PLAN, "--hf-config"], llama(num_attention_heads="32"), "num_attention_heads='32'", id="heads"),
+        pytest.param([*PLAN, "--hf-config"], llama(head_dim=0), "config.json: head_dim=0 must be", id="head-dim-0"),
+        pytest.param([*PLAN, "--hf-config"], llama(text_config=[1]), "text_config=[1]", id="text-config-list"),
+        pytest.param(
+            ["plan", "--memory", "99999999999TiB", "--max-model-len", "1024", "--hf-config"],
+            llama(),
+            "int32 slots address (134,217,728 blocks); give at most 281,474,976,710,656 B (a smaller --memory",
+            id="memory-beyond-int32-slots",
+        ),
+        pytest.param(["layout", "--specs"], "[1]", "{path}: expected a JSON object", id="specs-is-a-list"),
+        pytest.param(["layout", "--specs"], '{"a": 5}', "layer 'a': expected {'spec'", id="spec-is-a-number"),
+        pytest.param(
+            ["layout", "--specs"],
+            '{"a": {"spec": "FullAttentionSpec", "block_size": 16, "bogus": 1}}',
+            "layer 'a': FullAttentionSpec.__init__() got an unexpected keyword argument 'bogus'",
+            id="spec-field-unknown",
+        ),
+        pytest.param(["layout", "--hf-config"], "garbage{", "{path}: not a JSON file", id="layout-config-not-json"),
+        pytest.param(["layout", "--block-table", "a,b", "--hf-config"], llama(), "--block-table 'a,b'", id="table"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_naming_it(argv, text, named, tmp_path, capsys):
+    path = tmp_path / "input.json"
+    path.write_text(text)
+    assert main([*argv, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert named.replace("{path}", str(path)) in err
+
+
+@pytest.mark.parametrize(
+    "command, option, value",
+    [
+        *[("plan", o, v) for o in ("--max-model-len", "--max-num-batched-tokens", "--max-groups") for v in ("0", "-1")],
+        ("plan", "--block-size", "0"),
+        ("plan", "--block-size", "-3"),
+        ("plan", "--memory", "0"),
+        ("layout", "--num-layers", "0"),
+        ("layout", "--block-size", "0"),
+        ("layout", "--max-model-len", "-1"),
+    ],
+)
+def test_non_positive_option_is_refused_by_argparse_naming_it(command, option, value, capsys):
+    # argparse's own error: the usage, then one line naming the option; exit status 2.
+    argv = {"plan": PLAN, "layout": ["layout"]}[command]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--hf-config", LLAMA, f"{option}={value}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"error: argument {option}: '{value}' is " in err.splitlines()[-1]

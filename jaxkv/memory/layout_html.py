@@ -405,8 +405,9 @@ def render_layout_html(
 # Command line.
 
 
-def add_layout_parser(sub, parse_bytes) -> None:
-    """Registers `python -m jaxkv layout` (called by jaxkv.cli, which owns `parse_bytes`)."""
+def add_layout_parser(sub, parse_bytes, positive_int, read_json) -> None:
+    """Registers `python -m jaxkv layout` (called by jaxkv.cli, which owns `parse_bytes`, `positive_int` and
+    `read_json`)."""
     p = sub.add_parser("layout", help="write an HTML picture of the cache layout and a token's byte address")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf-config", metavar="PATH", help="the model's config.json")
@@ -416,22 +417,21 @@ def add_layout_parser(sub, parse_bytes) -> None:
         f"{', '.join(SPEC_CLASSES)}), or -> the name of the layer whose cache it shares",
     )  # fmt: skip
     p.add_argument("--html", metavar="FILE", help="where to write the page (default: standard output)")
-    p.add_argument("--num-layers", type=int, help="keep only layers numbered below N (model.layers.{i}.…)")
+    p.add_argument("--num-layers", type=positive_int, help="keep only layers numbered below N (model.layers.{i}.…)")
     p.add_argument("--memory", type=parse_bytes, default="16GiB", help="KV cache budget (default 16GiB)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=positive_int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--dtype", default="bfloat16", help="KV cache dtype for --hf-config (default bfloat16)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per block for --hf-config")
+    p.add_argument("--block-size", type=positive_int, default=None, help="tokens per block for --hf-config")
     p.add_argument("--grouping", choices=GROUPINGS, default="auto")
     p.add_argument("--layer", help="layer whose address to show (default: the first view's layer 1)")
     p.add_argument("--token", type=int, help="token position (default: 2 × block size + 2)")
     p.add_argument("--block-table", help="comma-separated block ids of the layer's group (default: 1, 2, ...)")
-    p.set_defaults(func=_cmd_layout)
+    p.set_defaults(func=functools.partial(_cmd_layout, read_json=read_json))
 
 
-def _cmd_layout(args) -> None:
-    with open(args.hf_config or args.specs) as f:
-        source = json.load(f)
+def _cmd_layout(args, read_json) -> None:
+    source = read_json(args.hf_config or args.specs)
     if args.hf_config:
         layers = specs_from_hf_config(source, dtype=args.dtype, block_size=args.block_size)
         title = f"{source.get('model_type', 'model')} KV cache layout"
@@ -448,13 +448,21 @@ def _cmd_layout(args) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         grouping=args.grouping,
     )
-    table = None if args.block_table is None else [int(b) for b in re.split(r"[\s,]+", args.block_table.strip())]
+    table = None if args.block_table is None else parse_block_table(args.block_table)
     page = render_layout_html(cfg, layer=args.layer, token=args.token, block_table=table, title=title)
     if args.html:
         with open(args.html, "w") as f:
             f.write(page)
     else:
         print(page)
+
+
+def parse_block_table(text: str) -> list[int]:
+    """'3,1,5' or '3 1 5' → [3, 1, 5]; ValueError naming --block-table otherwise."""
+    try:
+        return [int(b) for b in re.split(r"[\s,]+", text.strip())]
+    except ValueError:
+        raise ValueError(f"--block-table {text!r}: expected block ids separated by commas, e.g. 3,1,5") from None
 
 
 def specs_from_json(source: dict) -> dict:
@@ -464,11 +472,16 @@ def specs_from_json(source: dict) -> dict:
         if isinstance(value, str):
             layers[name] = value
             continue
+        if not isinstance(value, dict):
+            raise ValueError(f"layer {name!r}: expected {{'spec': ..., fields}} or the name of a layer, got {value!r}")
         fields = dict(value)
         kind = fields.pop("spec", None)
         if kind not in SPEC_CLASSES:
             raise ValueError(f"layer {name!r}: spec={kind!r} is not one of {tuple(SPEC_CLASSES)}")
-        layers[name] = SPEC_CLASSES[kind](**fields)
+        try:
+            layers[name] = SPEC_CLASSES[kind](**fields)
+        except TypeError as e:  # a field the spec does not have, or one it needs
+            raise ValueError(f"layer {name!r}: {e}") from None
     return layers
 
 

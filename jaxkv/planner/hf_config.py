@@ -111,6 +111,8 @@ def text_fields(config_dict: Mapping) -> dict:
     """The text model's fields of a parsed `config.json`: its `text_config` (multimodal configs) or the config
     itself, with transformers' defaults (`TRANSFORMERS_DEFAULTS`) for the fields it leaves out."""
     text = config_dict.get("text_config") or config_dict
+    if not isinstance(text, Mapping):
+        raise ValueError(f"config.json: text_config={text!r} must be a JSON object of the text model's fields")
     return {**TRANSFORMERS_DEFAULTS.get(config_dict.get("model_type"), {}), **text}
 
 
@@ -130,8 +132,12 @@ def specs_from_hf_config(
         "auto"). transformers keeps that state in float32 whatever the weights: "float32" matches
         it (vLLM's `--mamba-ssm-cache-dtype float32`). The conv state keeps `dtype`.
     """
+    if not isinstance(config_dict, Mapping):
+        raise ValueError(f"config.json must be a JSON object of the model's fields, not a {type(config_dict).__name__}")
+    if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0):
+        raise ValueError(f"block_size={block_size!r} must be a positive integer (or None for the model's default)")
     model_type = config_dict.get("model_type")
-    builder = _BUILDERS.get(model_type)
+    builder = _BUILDERS.get(model_type) if isinstance(model_type, str) else None
     if mamba_ssm_dtype is not None:
         if model_type != "qwen3_next":
             raise ValueError(
@@ -164,31 +170,46 @@ class _Config:
             )
         return self.fields[key]
 
+    def __contains__(self, key: str) -> bool:
+        return self.fields.get(key) is not None
+
     def get(self, key: str, default=None):
         value = self.fields.get(key)
         return default if value is None else value
 
+    def count(self, key: str, default: int | None = None, *, low: int = 1) -> int:
+        """The integer field `key`, at least `low`; `default` when the field is absent or null (None: required)."""
+        value = self[key] if default is None else self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            kind = "a positive integer" if low == 1 else f"an integer ≥ {low}"
+            raise ValueError(f"config.json: {key}={value!r} must be {kind}")
+        return value
+
     @property
     def num_layers(self) -> int:
-        return self["num_hidden_layers"]
+        return self.count("num_hidden_layers")
 
     def attention(self, dtype, block_size: int) -> dict:
-        """Spec fields of a standard attention layer."""
-        heads = self["num_attention_heads"]
-        head_dim = self.get("head_dim") or self["hidden_size"] // heads
+        """Spec fields of a standard attention layer; head_dim defaults to hidden_size // num_attention_heads."""
+        heads = self.count("num_attention_heads")
+        head_dim = self.count("head_dim") if "head_dim" in self else self.count("hidden_size") // heads
         return dict(
-            block_size=block_size, num_kv_heads=self.get("num_key_value_heads", heads), head_size=head_dim, dtype=dtype
+            block_size=block_size,
+            num_kv_heads=self.count("num_key_value_heads", heads),
+            head_size=head_dim,
+            dtype=dtype,
         )
 
-    def layer_types(self, default: Callable[[int], str]) -> list[str]:
-        """`layer_types` when given, else `default(i)` for each layer."""
-        types = self.get("layer_types") or [default(i) for i in range(self.num_layers)]
-        if len(types) != self.num_layers:
+    def per_layer(self, key: str, default: Callable[[int], object]) -> list:
+        """The list field `key` (`layer_types`, `no_rope_layers`) when given, else `default(i)` for each layer."""
+        values = self.get(key) or [default(i) for i in range(self.num_layers)]
+        if not isinstance(values, list) or len(values) != self.num_layers:
+            given = f"{len(values)} {key}" if isinstance(values, list) else f"{key}={values!r}"
             raise ValueError(
-                f"config.json (model_type={self.model_type!r}) has {len(types)} layer_types for "
-                f"{self.num_layers} layers; give one per layer"
+                f"config.json (model_type={self.model_type!r}) has {given} for {self.num_layers} layers; "
+                "give a list of one per layer"
             )
-        return list(types)
+        return values
 
 
 def _name(i: int) -> str:
@@ -197,7 +218,7 @@ def _name(i: int) -> str:
 
 def _full_or_sliding(cfg: _Config, types: list[str], dtype, block_size: int) -> Layers:
     attn = cfg.attention(dtype, block_size)
-    window = cfg.get("sliding_window")
+    window = cfg.count("sliding_window") if "sliding_window" in cfg else None
     out: Layers = {}
     for i, t in enumerate(types):
         if t == "sliding_attention" and window is not None:
@@ -210,19 +231,19 @@ def _full_or_sliding(cfg: _Config, types: list[str], dtype, block_size: int) -> 
 
 
 def _gemma3(cfg: _Config, dtype, block_size) -> Layers:
-    pattern = cfg.get("sliding_window_pattern", 6)
-    types = cfg.layer_types(lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention")
+    pattern = cfg.count("sliding_window_pattern", 6)
+    types = cfg.per_layer("layer_types", lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention")
     return _full_or_sliding(cfg, types, dtype, block_size or DEFAULT_BLOCK_SIZE)
 
 
 def _gpt_oss(cfg: _Config, dtype, block_size) -> Layers:
-    types = cfg.layer_types(lambda i: "sliding_attention" if i % 2 == 0 else "full_attention")
+    types = cfg.per_layer("layer_types", lambda i: "sliding_attention" if i % 2 == 0 else "full_attention")
     return _full_or_sliding(cfg, types, dtype, block_size or DEFAULT_BLOCK_SIZE)
 
 
 def _mistral(cfg: _Config, dtype, block_size) -> Layers:
     kind = "sliding_attention" if cfg.get("sliding_window") is not None else "full_attention"
-    return _full_or_sliding(cfg, cfg.layer_types(lambda i: kind), dtype, block_size or DEFAULT_BLOCK_SIZE)
+    return _full_or_sliding(cfg, cfg.per_layer("layer_types", lambda i: kind), dtype, block_size or DEFAULT_BLOCK_SIZE)
 
 
 def _llama(cfg: _Config, dtype, block_size) -> Layers:
@@ -233,9 +254,9 @@ def _llama(cfg: _Config, dtype, block_size) -> Layers:
 def _llama4(cfg: _Config, dtype, block_size) -> Layers:
     """Layers with RoPE (no_rope_layers[i] == 1) attend within `attention_chunk_size`; NoPE layers are global."""
     attn = cfg.attention(dtype, block_size or DEFAULT_BLOCK_SIZE)
-    interval = cfg.get("no_rope_layer_interval", 4)
-    rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(cfg.num_layers)]
-    chunk = cfg.get("attention_chunk_size")
+    interval = cfg.count("no_rope_layer_interval", 4)
+    rope = cfg.per_layer("no_rope_layers", lambda i: int((i + 1) % interval != 0))
+    chunk = cfg.count("attention_chunk_size") if "attention_chunk_size" in cfg else None
     return {
         _name(i): ChunkedLocalAttentionSpec(**attn, attention_chunk_size=chunk)
         if rope[i] and chunk
@@ -247,14 +268,14 @@ def _llama4(cfg: _Config, dtype, block_size) -> Layers:
 def _qwen3_next(cfg: _Config, dtype, block_size, ssm_dtype=None) -> Layers:
     """Gated DeltaNet layers hold a conv state and a recurrent state (of `ssm_dtype`, default `dtype`); every
     4th layer is full attention."""
-    interval = cfg.get("full_attention_interval", 4)
-    types = cfg.layer_types(lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention")
-    num_k, num_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    head_k, head_v = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    interval = cfg.count("full_attention_interval", 4)
+    types = cfg.per_layer("layer_types", lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention")
+    num_k, num_v = cfg.count("linear_num_key_heads"), cfg.count("linear_num_value_heads")
+    head_k, head_v = cfg.count("linear_key_head_dim"), cfg.count("linear_value_head_dim")
     conv_dim = 2 * num_k * head_k + num_v * head_v
     state = MambaSpec(
         block_size=1,
-        shapes=((cfg["linear_conv_kernel_dim"] - 1, conv_dim), (num_v, head_v, head_k)),
+        shapes=((cfg.count("linear_conv_kernel_dim", low=2) - 1, conv_dim), (num_v, head_v, head_k)),
         dtypes=(dtype, dtype if ssm_dtype is None else ssm_dtype),
     )
     align = block_size or DEFAULT_BLOCK_SIZE
@@ -278,9 +299,9 @@ def _deepseek_v32(cfg: _Config, dtype, block_size) -> Layers:
     """MLA latent in FP8 with scales (DeepSeek's fp8_ds_mla: 512 FP8 + 4 float32 scales + 64 bf16 RoPE
     = 656 B/token) and the indexer's FP8 key with one float32 scale per 128 (132 B/token), one block table."""
     block_size = block_size or DEEPSEEK_SPARSE_MLA_BLOCK_SIZE
-    rank = cfg["kv_lora_rank"]
-    latent = rank + rank // 128 * 4 + cfg["qk_rope_head_dim"] * 2
-    index_dim = cfg["index_head_dim"]
+    rank = cfg.count("kv_lora_rank")
+    latent = rank + rank // 128 * 4 + cfg.count("qk_rope_head_dim") * 2
+    index_dim = cfg.count("index_head_dim")
     indexer = index_dim + index_dim // 128 * 4
     mla = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=latent, dtype="uint8")
     idx = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=indexer, dtype="uint8")
@@ -293,9 +314,9 @@ def _deepseek_v32(cfg: _Config, dtype, block_size) -> Layers:
 
 def _gemma3n(cfg: _Config, dtype, block_size) -> Layers:
     """The last `num_kv_shared_layers` layers reuse the cache of the last earlier layer of their type."""
-    types = cfg.layer_types(lambda i: "full_attention" if (i + 1) % 5 == 0 else "sliding_attention")
+    types = cfg.per_layer("layer_types", lambda i: "full_attention" if (i + 1) % 5 == 0 else "sliding_attention")
     out = _full_or_sliding(cfg, types, dtype, block_size or DEFAULT_BLOCK_SIZE)
-    first_shared = cfg.num_layers - cfg.get("num_kv_shared_layers", 0)
+    first_shared = cfg.num_layers - cfg.count("num_kv_shared_layers", 0, low=0)
     for i in range(first_shared, cfg.num_layers):
         owners = [j for j in range(first_shared) if types[j] == types[i]]
         if not owners:

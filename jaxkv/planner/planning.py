@@ -43,6 +43,9 @@ GROUPINGS = ("auto", "vllm")
 # Capacity gain "auto" needs before it takes a grouping with more groups (each costs a block table and per-step work).
 AUTO_MIN_GAIN = 0.01
 
+# Slots (`block_id * block_size + offset`) are int32: num_blocks * block_size may not pass this.
+MAX_SLOTS = 2**31
+
 Groups = tuple[KVCacheGroup, ...]
 
 
@@ -63,7 +66,8 @@ def plan(
       layers: layer name → spec, or → the name of another layer whose cache it
         reuses (KV sharing; chains resolve to the final owner).
       available_bytes: bytes for the whole cache; `num_blocks` is this divided by
-        the bytes of one block id, null block included.
+        the bytes of one block id, null block included; slots are int32, so
+        num_blocks × block size may not pass `MAX_SLOTS` (else ValueError).
       max_model_len: the longest request; one request of it must fit besides the
         null block, else ValueError states the longest that fits.
       max_num_batched_tokens: tokens one step schedules (synchronous); sizes what
@@ -100,6 +104,7 @@ def plan(
             if better or (len(candidate) < len(groups) and concurrency(candidate) == concurrency(groups)):
                 groups = candidate
     _check_fits(groups, available_bytes, max_model_len, max_num_batched_tokens)
+    _check_slots_fit_int32(groups, available_bytes)
 
     all_full = None
     if hybrid and any(isinstance(s, AttentionSpec) and not isinstance(s, FullAttentionSpec) for s in specs.values()):
@@ -307,6 +312,20 @@ def _check_fits(groups: Groups, available_bytes: int, max_model_len: int, mnbt: 
         f"available_bytes={available_bytes:,} cannot hold one request of max_model_len={max_model_len:,}: it needs "
         f"{needed:,} B plus the null block ({bytes_per_block:,} B); {hint}. "
         "Lower max_model_len or raise the budget."
+    )
+
+
+def _check_slots_fit_int32(groups: Groups, available_bytes: int) -> None:
+    """Block ids and slots (`block_id * block_size + offset`) are int32: every slot of the pool must be one."""
+    bytes_per_block = max(g.page_bytes for g in groups)
+    block_size = max(g.block_size for g in groups)
+    max_blocks = MAX_SLOTS // block_size
+    if available_bytes // bytes_per_block <= max_blocks:
+        return
+    raise ValueError(
+        f"available_bytes={available_bytes:,} gives {available_bytes // bytes_per_block:,} blocks of {block_size} "
+        f"tokens, more than int32 slots address ({max_blocks:,} blocks); give at most "
+        f"{max_blocks * bytes_per_block:,} B (a smaller --memory / available_bytes)"
     )
 
 

@@ -3,6 +3,7 @@
 import collections
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -157,3 +158,45 @@ def test_a_missing_field_is_named():
     with pytest.raises(ValueError, match="3 layer_types for 4 layers"):
         specs_from_hf_config({"model_type": "gpt_oss", "num_hidden_layers": 4, "num_attention_heads": 8,
                               "hidden_size": 1024, "layer_types": ["full_attention"] * 3})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, changes, message",
+    [
+        (
+            "llama3_8b",
+            {"num_hidden_layers": "sixty"},
+            "config.json: num_hidden_layers='sixty' must be a positive integer",
+        ),
+        ("llama3_8b", {"num_hidden_layers": 2.5}, "config.json: num_hidden_layers=2.5 must be a positive"),
+        ("llama3_8b", {"num_attention_heads": "32"}, "config.json: num_attention_heads='32' must be a positive"),
+        ("llama3_8b", {"head_dim": 0}, "config.json: head_dim=0 must be a positive integer"),
+        ("llama3_8b", {"head_dim": -64}, "config.json: head_dim=-64 must be a positive"),
+        ("llama3_8b", {"num_key_value_heads": True}, "config.json: num_key_value_heads=True must be a positive"),
+        ("gemma3_27b", {"text_config": [1]}, "config.json: text_config=[1] must be a JSON object"),
+        ("gemma3_27b", {"sliding_window_pattern": 0}, "config.json: sliding_window_pattern=0 must be a positive"),
+        ("qwen3_next_80b", {"full_attention_interval": 0}, "config.json: full_attention_interval=0 must be a positive"),
+        (
+            "qwen3_next_80b",
+            {"linear_conv_kernel_dim": 1},
+            "config.json: linear_conv_kernel_dim=1 must be an integer ≥ 2",
+        ),
+        ("gemma3n_e2b", {"num_kv_shared_layers": -1}, "config.json: num_kv_shared_layers=-1 must be an integer ≥ 0"),
+        ("llama4_scout", {"no_rope_layers": [1, 0]}, "has 2 no_rope_layers for 48 layers"),
+    ],
+)
+def test_a_wrong_typed_or_non_positive_field_is_named(name, changes, message):
+    config = load(name)
+    text = config if "text_config" in changes else config.get("text_config", config)  # multimodal: the text model's
+    text.update(changes)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        specs_from_hf_config(config)
+
+
+def test_block_size_zero_is_refused_and_a_null_head_dim_keeps_its_default():
+    with pytest.raises(ValueError, match=re.escape("block_size=0 must be a positive integer")):
+        specs_from_hf_config(load("llama3_8b"), block_size=0)
+    with pytest.raises(ValueError, match="config.json must be a JSON object of the model's fields, not a list"):
+        specs_from_hf_config([1, 2])
+    spec = specs_from_hf_config({**load("llama3_8b"), "head_dim": None})["model.layers.0.self_attn.attn"]
+    assert spec.head_size == 4096 // 32  # hidden_size // num_attention_heads

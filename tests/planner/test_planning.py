@@ -7,6 +7,7 @@ vLLM's own figures: synchronous scheduling, max_num_batched_tokens=2048, block 1
 import glob
 import json
 import pathlib
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -133,6 +134,17 @@ def test_budget_error_states_the_longest_max_model_len_that_fits():
     assert (cfg.num_blocks, cfg.capacity_tokens) == (2049, 32_784)
     with pytest.raises(ValueError, match="not even a 1-token request fits"):
         plan(layers, 3 * MiB, **VLLM)
+
+
+def test_a_budget_beyond_int32_slots_is_refused_saying_the_most_that_fits():
+    # Slots (block_id * 16 + offset) are int32: at most 2**31 / 16 = 2**27 blocks of 64 KiB, 8 TiB.
+    layers = {"f": full()}
+    assert plan(layers, 8 << 40, max_model_len=256).num_blocks == 2**27
+    message = "gives 134,217,729 blocks of 16 tokens, more than int32 slots address (134,217,728 blocks); give at most "
+    with pytest.raises(
+        ValueError, match=re.escape(message + "8,796,093,022,208 B (a smaller --memory / available_bytes)")
+    ):
+        plan(layers, (8 << 40) + 64 * 1024, max_model_len=256)
 
 
 def test_kv_sharing_layers_add_nothing():
