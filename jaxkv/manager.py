@@ -219,10 +219,8 @@ class KVCacheManager:
     ):
         if not isinstance(cfg, KVCacheConfig):
             raise TypeError(f"cfg must be a KVCacheConfig (from jaxkv.plan), got {type(cfg).__name__}")
-        if int(max_num_seqs) <= 0:
-            raise ValueError(f"{max_num_seqs=} must be positive")
-        if int(num_speculative_tokens) < 0:
-            raise ValueError(f"{num_speculative_tokens=} must be 0 (no speculative decoding) or positive")
+        max_num_seqs = validation.count(max_num_seqs, "max_num_seqs", minimum=1)
+        num_speculative_tokens = validation.count(num_speculative_tokens, "num_speculative_tokens")
         state_groups = [g.layer_names[0] for g in cfg.groups if g.kind == "mamba"]
         if state_groups and (num_speculative_tokens or use_eagle):
             raise ValueError(
@@ -231,10 +229,10 @@ class KVCacheManager:
                 "state overwrites the verified one and jaxkv keeps one state per request (vLLM keeps one per "
                 "draft position); serve this model without speculative decoding"
             )
-        self.num_speculative_tokens = int(num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
         self.use_eagle = bool(use_eagle)
         self.cfg = cfg
-        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = bool(enable_prefix_caching)
         if prefix_match_unit is not None and not self.enable_prefix_caching:
             raise ValueError(f"{prefix_match_unit=} given, but prefix caching is off")
@@ -335,7 +333,8 @@ class KVCacheManager:
         """
         if validation.hashable_id(request_id) in self._slot_of:
             raise ValueError(f"request {request_id!r} was already added; free it first or use a new id")
-        validation.token_ids(prompt_token_ids, f"prompt_token_ids of request {request_id!r}")
+        what = f"prompt_token_ids of request {request_id!r}"
+        validation.sequence(prompt_token_ids, what)
         if (cache_salt is not None or unit_hasher is not None) and not self.enable_prefix_caching:
             what = f"{cache_salt=}" if cache_salt is not None else "unit_hasher"
             raise ValueError(
@@ -371,16 +370,23 @@ class KVCacheManager:
                 f"request {request_id!r} has {num_tokens} prompt tokens, more than "
                 f"max_model_len={self.cfg.max_model_len}"
             )
-        if self.prefix_config is not None:
+        if self.prefix_config is None:
+            validation.token_ids(prompt_token_ids, what)
+        else:  # the hasher checks the tokens it takes (a given one has checked those it took)
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
             if unit_hasher.num_tokens < num_tokens:  # a given one may lack the last tokens
-                unit_hasher.extend(prompt_token_ids[unit_hasher.num_tokens :])
+                rest = prompt_token_ids[unit_hasher.num_tokens :]
+                try:
+                    unit_hasher.extend(rest)
+                except ValueError:  # nothing taken: name the token
+                    validation.token_ids(rest, what)
+                    raise
         slot = self._free_slots.pop()
         self._slot_of[request_id] = slot
         self._num_tokens[slot] = num_tokens
         self._num_prompt[slot] = num_tokens
-        self._num_computed[slot] = 0
+        self._num_computed[slot] = self._num_scheduled[slot] = 0
         self._num_written[slot] = 0
         self._shared_len[slot] = 0
         if self.prefix_config is not None:
@@ -568,20 +574,27 @@ class KVCacheManager:
         """
         self._check_held()
         slots = self._known_slots(request_ids)
-        num_new = validation.counts(request_ids, num_new_tokens, "num_new_tokens")
-        hits, lookahead = np.zeros((2, len(request_ids)), np.int64)
+        compiled = self._compiled_host and slots is not None  # its compiled call checks the counts' range
+        num_new = validation.counts(request_ids, num_new_tokens, "num_new_tokens", check_range=not compiled)
+        hits = lookahead = np.zeros(len(request_ids), np.int64)  # read only
         if num_new_computed_tokens is not None:
-            hits = validation.counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
+            hits = validation.counts(
+                request_ids, num_new_computed_tokens, "num_new_computed_tokens", check_range=not compiled
+            )
         must_fit = validation.flags(request_ids, full_sequence_must_fit, "full_sequence_must_fit")
         if num_lookahead_tokens is not None:
             lookahead = validation.counts(request_ids, num_lookahead_tokens, "num_lookahead_tokens")
         ok = None
-        if self._compiled_host and slots is not None and not lookahead.any():
+        if compiled and (num_lookahead_tokens is None or not lookahead.any()):
             ok = self._allocate_compiled(slots, num_new, hits, must_fit)
-        if ok is None:
+        if ok is None:  # the general path; its errors name what is wrong
             slots = self._slots(request_ids)
+            if compiled:
+                num_new = validation.counts(request_ids, num_new_tokens, "num_new_tokens")
+                if num_new_computed_tokens is not None:
+                    hits = validation.counts(request_ids, num_new_computed_tokens, "num_new_computed_tokens")
             ok = self._allocate_checked(request_ids, slots, num_new, hits, must_fit, lookahead)
-        self._num_scheduled[slots] = np.where(ok, num_new, 0)
+        self._num_scheduled[slots] = num_new * ok
         return ok
 
     def _allocate_checked(self, request_ids, slots, num_new, hits, must_fit, lookahead) -> np.ndarray:
@@ -963,7 +976,6 @@ class KVCacheManager:
         for request_id, slot in zip(request_ids, slots.tolist()):
             del self._slot_of[request_id]
             self._hashers[slot] = self._keys[slot] = self._unhashed[slot] = None
-        self._num_scheduled[slots] = 0
         if self._uploads:  # keys not on the device yet of a freed request: never needed
             freed = set(slots.tolist())
             self._uploads = {s: first for s, first in self._uploads.items() if s not in freed}
@@ -1078,9 +1090,10 @@ class KVCacheManager:
     def take_state(self) -> st.ManagerState:
         """Hands the device state to a jitted loop that donates it (e.g. on-device decode steps).
 
-        The manager holds no state until `adopt_state` gives the loop's result back. Rejected drafts
-        are rolled back first (an allocation of no tokens for their requests), so every count in the
-        state is verified.
+        The manager holds no state until `adopt_state` gives the loop's result back: until then every
+        call that reads or changes the state or its requests' counts raises and changes nothing (only
+        `add_request` and reads of the host's counts go on). Rejected drafts are rolled back first (an
+        allocation of no tokens for their requests), so every count in the state is verified.
         """
         pending = [rid for rid, slot in self._slot_of.items() if self._pending_reject[slot]]
         if pending:
@@ -1211,7 +1224,9 @@ class KVCacheManager:
         (`jaxkv.metadata.StepMetadata`, on device): block tables, slot mappings, `seq_lens`,
         `query_start_loc` and positions, the tokens packed in request order into T = `num_tokens`
         entries, the rows padded to `num_rows` (default `max_num_seqs`: one shape for every step).
-        Lookahead slots are left out. Call it before `reject_tokens`.
+        Lookahead slots are left out. Call it before `reject_tokens`. Each count is at most what the
+        request's last allocation scheduled (ValueError otherwise: a larger one would give positions and
+        slots of tokens that step did not allocate).
 
         Raises if block copies were not taken (`take_block_copies`)."""
         slots, num_new = self._step_rows(request_ids, num_new_tokens, num_tokens)

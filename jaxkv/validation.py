@@ -21,6 +21,7 @@ import numpy as np
 
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32 (`jaxkv.prefix.hashing`)
 MAX_COUNT = 2**31 - 1  # counts are int32 on the device
+_SEQUENCES = (list, tuple, np.ndarray)  # the usual types, passed without an abstract-class check
 
 
 def short(value) -> str:
@@ -34,6 +35,8 @@ def _is_int(value) -> bool:
 
 def sequence(values, name: str) -> Sequence:
     """`values` itself if it is a sequence (list, tuple, numpy array, ...), not a str, bytes or iterator."""
+    if type(values) in _SEQUENCES:
+        return values
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise TypeError(
             f"{name} must be a list, tuple or array, not {type(values).__name__} {short(values)}"
@@ -50,31 +53,46 @@ def hashable_id(request_id, name: str = "request_id") -> Hashable:
     return request_id
 
 
-def counts(request_ids: Sequence[Hashable], values, name: str) -> np.ndarray:
-    """int64[R]: one count per request, each an integer in [0, MAX_COUNT]."""
+def counts(request_ids: Sequence[Hashable], values, name: str, *, check_range: bool = True) -> np.ndarray:
+    """int64[R]: one count per request, each an integer in [0, MAX_COUNT] (`check_range=False`: the caller
+    checks the range itself, as the host backend's compiled allocation does; values past int64 wrap).
+
+    One numpy conversion where the counts are fine; a list that mixes Python bools among ints passes as 0
+    and 1 (numpy's conversion cannot tell them apart, and a scan per element would cost more than the call)."""
+    try:
+        array = values if isinstance(values, np.ndarray) else np.asarray(values)
+    except ValueError:  # ragged
+        array = None
+    if (
+        array is None
+        or array.ndim != 1
+        or array.dtype.kind not in "iu"
+        or len(array) != len(request_ids)
+        or isinstance(values, (str, bytes))
+    ):
+        return _checked_counts(request_ids, values, name)
+    if check_range and len(array) and (array.min() < 0 or array.max() > MAX_COUNT):
+        return _checked_counts(request_ids, values, name)
+    return array.astype(np.int64, copy=False)
+
+
+def _checked_counts(request_ids, values, name: str) -> np.ndarray:
+    """Raises the error that names what is wrong with `values`, or gives them as int64[R] where numpy's
+    conversion was only too strict (an empty list, numpy integers of mixed kinds)."""
     sequence(values, name)
     if len(values) != len(request_ids):
         raise ValueError(f"{name} has {len(values)} entries; expected one per request ({len(request_ids)})")
-    if not len(values):
-        return np.zeros(0, np.int64)
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1 or values.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got an array of {values.dtype}{list(values.shape)}")
-        low, high = values.min(), values.max()
-    else:
-        if not set(map(type, values)) <= {int}:
-            i = next((i for i, v in enumerate(values) if not _is_int(v)), None)
-            if i is not None:
-                raise TypeError(
-                    f"{name}={short(values[i])} for request {request_ids[i]!r} must be an int, "
-                    f"not {type(values[i]).__name__}"
-                )
-        low, high = min(values), max(values)
-    if low < 0 or high > MAX_COUNT:
-        i = next(i for i, v in enumerate(values) if not 0 <= v <= MAX_COUNT)
-        what = "is negative" if values[i] < 0 else f"is beyond {MAX_COUNT}"
-        raise ValueError(f"{name}={values[i]} for request {request_ids[i]!r} {what}")
-    return np.asarray(values, np.int64)
+    if isinstance(values, np.ndarray) and (values.ndim != 1 or values.dtype.kind not in "iu"):
+        raise TypeError(f"{name} must hold integers, got an array of {values.dtype}{list(values.shape)}")
+    for i, value in enumerate(values):
+        if not _is_int(value):
+            raise TypeError(
+                f"{name}={short(value)} for request {request_ids[i]!r} must be an int, not {type(value).__name__}"
+            )
+        if not 0 <= value <= MAX_COUNT:
+            what = "is negative" if value < 0 else f"is beyond {MAX_COUNT}"
+            raise ValueError(f"{name}={value} for request {request_ids[i]!r} {what}")
+    return np.asarray(values, np.int64).reshape(len(values))  # fine after all (an empty list, mixed int types)
 
 
 def count(value, name: str, *, minimum: int = 0) -> int:
@@ -90,51 +108,50 @@ def flags(request_ids: Sequence[Hashable], values, name: str) -> np.ndarray:
     """bool[R]: one bool for every request, or one per request."""
     if isinstance(values, (bool, np.bool_)):
         return np.full(len(request_ids), bool(values))
+    array = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if array.shape == (len(request_ids),) and array.dtype == bool and not isinstance(values, (str, bytes)):
+        return array
     sequence(values, name)
     if len(values) != len(request_ids):
         raise ValueError(
             f"{name} has {len(values)} entries; expected one flag per request ({len(request_ids)}) or a single bool"
         )
-    if not (isinstance(values, np.ndarray) and values.dtype == bool):
-        i = next((i for i, v in enumerate(values) if not isinstance(v, (bool, np.bool_))), None)
-        if i is not None:
-            raise TypeError(f"{name}={short(values[i])} for request {request_ids[i]!r} must be a bool")
-    return np.asarray(values, bool)
+    i = next(i for i, v in enumerate(values) if not isinstance(v, (bool, np.bool_)))
+    raise TypeError(f"{name}={short(values[i])} for request {request_ids[i]!r} must be a bool")
 
 
-def token_ids(values, what: str) -> Sequence[int]:
-    """One request's token ids, unchanged: a sequence of ints in [0, MAX_TOKEN_ID] (or a 1-D integer array)."""
+def token_ids(values, what: str) -> None:
+    """Checks one request's token ids: a sequence of ints in [0, MAX_TOKEN_ID] (Python bools pass as 0 and 1),
+    or a 1-D integer array. One C conversion where they are fine."""
     sequence(values, what)
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D array of integer token ids, got {values.dtype}{list(values.shape)}")
         if values.size and (values.min() < 0 or values.max() > MAX_TOKEN_ID):
             raise ValueError(f"{what}: token ids must lie in [0, {MAX_TOKEN_ID}], got {values.min()}..{values.max()}")
-        return values
-    if not set(map(type, values)) <= {int}:
-        i = next((i for i, t in enumerate(values) if not _is_int(t)), None)
-        if i is not None:
-            raise TypeError(f"{what}: token id {short(values[i])} must be an int, not {type(values[i]).__name__}")
-    if values and (min(values) < 0 or max(values) > MAX_TOKEN_ID):
-        bad = next(t for t in values if not 0 <= t <= MAX_TOKEN_ID)
-        raise ValueError(f"{what}: token id {bad} lies outside [0, {MAX_TOKEN_ID}]")
-    return values
+        return
+    try:
+        array.array("I", values)
+    except (TypeError, OverflowError):
+        for token in values:
+            if not isinstance(token, (int, np.integer)):
+                raise TypeError(f"{what}: token id {short(token)} must be an int, not {type(token).__name__}") from None
+            if not 0 <= token <= MAX_TOKEN_ID:
+                raise ValueError(f"{what}: token id {token} lies outside [0, {MAX_TOKEN_ID}]") from None
+        raise
 
 
 def token_lists(request_ids: Sequence[Hashable], lists, name: str) -> np.ndarray:
     """int64[R]: the lengths of one token list per request, every token checked as by `token_ids` (one C
-    pass over all of them where they are plain ints)."""
+    pass over all of them where they are fine)."""
     sequence(lists, name)
     if len(lists) != len(request_ids):
         raise ValueError(f"{name} has {len(lists)} token lists for {len(request_ids)} requests; give one per request")
-    try:
-        if set(map(type, lists)) <= {list, tuple}:
-            lengths = np.fromiter(map(len, lists), np.int64, len(lists))
-            tokens = itertools.chain.from_iterable(lists)
-            if set(map(type, tokens)) <= {int}:
-                array.array("I", itertools.chain.from_iterable(lists))  # the range check
-                return lengths
-    except OverflowError:
+    try:  # a str's characters are no ints; a bytes object's are, and pass as tokens
+        lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+        array.array("I", itertools.chain.from_iterable(lists))
+        return lengths
+    except (TypeError, OverflowError):
         pass
     for rid, ids in zip(request_ids, lists):  # one list at a time: name the one that fails
         token_ids(ids, f"{name} of request {rid!r}")

@@ -31,7 +31,7 @@ def bad_calls(mgr, live: dict[str, list[int]], draw):
     """(call, words): a bad call on `mgr` about its `live` requests and the words, one of which its error
     message must contain."""
     rid, other = (draw(st.sampled_from(sorted(live)), label="rid") for _ in range(2))
-    bad_token = draw(st.sampled_from([-1, 2**32, 1.5, "x", [1], None, True, 2**70]), label="bad_token")
+    bad_token = draw(st.sampled_from([-1, 2**32, 1.5, "x", [1], None, np.float32(2), 2**70]), label="bad_token")
     bad_count = draw(st.sampled_from([2.5, "2", None, 1j, 2**63, True, -1, 2**31, np.float32(1)]), label="bad_count")
     position = draw(st.integers(0, 2), label="position")  # where in a token list the bad token stands
     tokens = [3] * 2
@@ -211,3 +211,22 @@ def test_a_refused_token_never_hands_a_request_another_requests_block(backend, b
     hit = mgr.get_computed_tokens("B")
     assert hit == 32  # A's third block holds 5s where B has 9s
     allocate("B", b, len(b) - hit, hit)
+
+
+@pytest.mark.parametrize("backend", ["jax", "host"])
+def test_step_metadata_takes_the_steps_own_counts_and_an_empty_batch(backend):
+    mgr = manager(backend, ATTENTION_CFG)
+    mgr.add_request("a", [1, 2, 3, 4, 5])
+    assert mgr.allocate_slots("a", 3)
+    with pytest.raises(ValueError, match="num_new_tokens=4 for request 'a': its last allocation scheduled 3"):
+        mgr.step_metadata(["a"], [4], num_tokens=8)  # position −1 and slot −1 once
+    meta = mgr.step_metadata(["a"], [3], num_tokens=8)
+    assert meta.positions.tolist() == [0, 1, 2, 0, 0, 0, 0, 0]
+    empty = mgr.step_metadata([], [], num_tokens=8)  # no request this step: padding rows only
+    assert not np.asarray(empty.seq_lens).any() and (np.asarray(empty.slot_mapping) == -1).all()
+    with pytest.raises(ValueError, match="num_rows=0"):
+        mgr.step_metadata([], [], num_tokens=8, num_rows=0)
+    mgr.free("a")
+    mgr.add_request("a", [1, 2])  # a new request under the old id has scheduled nothing yet
+    with pytest.raises(ValueError, match="scheduled 0 tokens"):
+        mgr.step_metadata(["a"], [1], num_tokens=8)

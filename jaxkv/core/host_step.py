@@ -290,8 +290,8 @@ def allocate_checked(
     """`allocate` of a manager's call (no speculative decoding) with its checks and its per-request counts
     (`jaxkv.manager.KVCacheManager.allocate_slots_batch`): rows of slots, new tokens, hit tokens and
     whole-request flags, counts by slot. Returns (-1, 0, num_free) and changes nothing where a row is invalid
-    (a slot twice, a negative count, a hit not on a request's first call or not below its tokens, tokens
-    past the request's or `max_model_len`); otherwise `allocate`'s, with the counts of the rows that succeed
+    (a slot twice, a count negative or past `max_model_len`, a hit not on a request's first call or not below
+    its tokens, tokens past the request's); otherwise `allocate`'s, with the counts of the rows that succeed
     advanced."""
     num_rows = slots_of.shape[0]
     if _repeats(slots_of, req_computed.shape[0]):
@@ -300,7 +300,7 @@ def allocate_checked(
         s, k, h = slots_of[i], new[i], hits[i]
         n, total = req_computed[s], req_computed[s] + hits[i] + new[i]
         bad_hit = h > 0 and (n > 0 or h >= req_tokens[s])
-        if k < 0 or h < 0 or bad_hit or total > req_tokens[s] or total > max_model_len:
+        if not (0 <= k <= max_model_len and 0 <= h <= max_model_len) or bad_hit or total > req_tokens[s]:
             return -1, 0, num_free
     full, shared = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
     for i in range(num_rows):
