@@ -34,10 +34,11 @@ def _is_int(value) -> bool:
 
 
 def sequence(values, name: str) -> Sequence:
-    """`values` itself if it is a sequence (list, tuple, numpy array, ...), not a str, bytes or iterator."""
-    if type(values) in _SEQUENCES:
+    """`values` itself if it is a sequence (list, tuple, numpy or jax array, ...), not a str, bytes, iterator or
+    scalar."""
+    if type(values) in _SEQUENCES or getattr(values, "ndim", 0) >= 1:  # jax and other arrays too
         return values
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(
             f"{name} must be a list, tuple or array, not {type(values).__name__} {short(values)}"
             + (" (its characters would be taken one by one)" if isinstance(values, (str, bytes)) else "")
@@ -51,6 +52,12 @@ def hashable_id(request_id, name: str = "request_id") -> Hashable:
     except TypeError:
         raise TypeError(f"{name}={short(request_id)} is not hashable; use a str or int id") from None
     return request_id
+
+
+def _own(array: np.ndarray) -> np.ndarray:
+    """`array`, or a copy where it is read-only or strided (a jax array's view; the compiled calls take neither)."""
+    flags = array.flags
+    return array if flags.c_contiguous and flags.writeable else array.copy()
 
 
 def counts(request_ids: Sequence[Hashable], values, name: str, *, check_range: bool = True) -> np.ndarray:
@@ -73,7 +80,7 @@ def counts(request_ids: Sequence[Hashable], values, name: str, *, check_range: b
         return _checked_counts(request_ids, values, name)
     if check_range and len(array) and (array.min() < 0 or array.max() > MAX_COUNT):
         return _checked_counts(request_ids, values, name)
-    return array.astype(np.int64, copy=False)
+    return _own(array.astype(np.int64, copy=False))
 
 
 def _checked_counts(request_ids, values, name: str) -> np.ndarray:
@@ -110,7 +117,7 @@ def flags(request_ids: Sequence[Hashable], values, name: str) -> np.ndarray:
         return np.full(len(request_ids), bool(values))
     array = values if isinstance(values, np.ndarray) else np.asarray(values)
     if array.shape == (len(request_ids),) and array.dtype == bool and not isinstance(values, (str, bytes)):
-        return array
+        return _own(array)
     sequence(values, name)
     if len(values) != len(request_ids):
         raise ValueError(
@@ -124,7 +131,8 @@ def token_ids(values, what: str) -> None:
     """Checks one request's token ids: a sequence of ints in [0, MAX_TOKEN_ID] (Python bools pass as 0 and 1),
     or a 1-D integer array. One C conversion where they are fine."""
     sequence(values, what)
-    if isinstance(values, np.ndarray):
+    if hasattr(values, "__array__"):
+        values = np.asarray(values)
         if values.ndim != 1 or values.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D array of integer token ids, got {values.dtype}{list(values.shape)}")
         if values.size and (values.min() < 0 or values.max() > MAX_TOKEN_ID):

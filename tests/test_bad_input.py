@@ -4,6 +4,7 @@ manager is exactly as it was, checked against an untouched twin that got the sam
 Dimensions: R requests per call, G groups.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -230,3 +231,15 @@ def test_step_metadata_takes_the_steps_own_counts_and_an_empty_batch(backend):
     mgr.add_request("a", [1, 2])  # a new request under the old id has scheduled nothing yet
     with pytest.raises(ValueError, match="scheduled 0 tokens"):
         mgr.step_metadata(["a"], [1], num_tokens=8)
+
+
+@pytest.mark.parametrize("backend", ["jax", "host"])
+def test_numpy_and_jax_arrays_are_taken_as_ids_counts_and_tokens(backend):
+    mgr = manager(backend, ATTENTION_CFG)
+    mgr.add_request("a", jnp.arange(1, 6, dtype=jnp.int32))
+    mgr.add_request("b", np.arange(1, 4, dtype=np.uint32))
+    ok = mgr.allocate_slots_batch(np.array(["a", "b"]), jnp.array([5, 3]), np.zeros(2, np.int64))
+    assert ok.tolist() == [True, True]
+    mgr.append_token_ids_batch(("a", "b"), [jnp.array([7]), np.array([8], np.int16)])
+    assert (mgr.num_tokens("a"), mgr.num_tokens("b")) == (6, 4)
+    assert mgr.allocate_slots_batch(["a", "b"], [1, 1], full_sequence_must_fit=jnp.array([True, False])).all()
