@@ -116,8 +116,16 @@ def plot_bytes_per_request(cfg, path: str, *, title: str = "", num_points: int =
     plt.close(fig)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the option (`--help` shows the usage), exit status 2;
+    its subcommands' parsers are of the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxkv", description="jaxkv: paged KV caches for hybrid models")
+    parser = OneLineErrors(prog="python -m jaxkv", description="jaxkv: paged KV caches for hybrid models")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(sub)
     add_layout_parser(sub, parse_bytes, positive_int, read_json)
