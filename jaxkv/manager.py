@@ -333,8 +333,8 @@ class KVCacheManager:
         """
         if validation.hashable_id(request_id) in self._slot_of:
             raise ValueError(f"request {request_id!r} was already added; free it first or use a new id")
-        what = f"prompt_token_ids of request {request_id!r}"
-        validation.sequence(prompt_token_ids, what)
+        prompt_name = f"prompt_token_ids of request {request_id!r}"
+        validation.sequence(prompt_token_ids, prompt_name)
         if (cache_salt is not None or unit_hasher is not None) and not self.enable_prefix_caching:
             what = f"{cache_salt=}" if cache_salt is not None else "unit_hasher"
             raise ValueError(
@@ -371,7 +371,7 @@ class KVCacheManager:
                 f"max_model_len={self.cfg.max_model_len}"
             )
         if self.prefix_config is None:
-            validation.token_ids(prompt_token_ids, what)
+            validation.token_ids(prompt_token_ids, prompt_name)
         else:  # the hasher checks the tokens it takes (a given one has checked those it took)
             if unit_hasher is None:
                 unit_hasher = UnitHasher(self.prefix_config.unit, cache_salt=cache_salt, mode=self.hash_mode)
@@ -380,7 +380,7 @@ class KVCacheManager:
                 try:
                     unit_hasher.extend(rest)
                 except ValueError:  # nothing taken: name the token
-                    validation.token_ids(rest, what)
+                    validation.token_ids(rest, prompt_name)
                     raise
         slot = self._free_slots.pop()
         self._slot_of[request_id] = slot
