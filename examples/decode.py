@@ -29,8 +29,15 @@ import os
 import sys
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse's errors as one line naming the option (as `python -m jaxkv`'s; that module would load jax)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineErrors(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--checkpoint", metavar="DIR", help="serve this Hugging Face checkpoint (Gemma 3, gpt-oss, Qwen3-Next)"
     )

@@ -62,3 +62,9 @@ def test_a_pool_too_small_for_one_request_or_a_garbage_prompt_file_is_refused(tm
     (tmp_path / "prompts.json").write_text("garbage{")
     line = refusal("--tiny", "--prompt-tokens", str(tmp_path / "prompts.json"))
     assert line == f"--prompt-tokens {tmp_path / 'prompts.json'}: Expecting value: line 1 column 1 (char 0)"
+
+
+def test_an_option_argparse_cannot_read_is_one_line():
+    assert refusal("--tiny", "--num-blocks", "abc") == (
+        "decode.py: error: argument --num-blocks: invalid int value: 'abc' (see --help)"
+    )
