@@ -54,10 +54,17 @@ def hashable_id(request_id, name: str = "request_id") -> Hashable:
     return request_id
 
 
-def _own(array: np.ndarray) -> np.ndarray:
-    """`array`, or a copy where it is read-only or strided (a jax array's view; the compiled calls take neither)."""
-    flags = array.flags
-    return array if flags.c_contiguous and flags.writeable else array.copy()
+def _own(values: np.ndarray) -> np.ndarray:
+    """`values`, or a copy where it is read-only or strided (a jax array's view; the compiled calls take neither)."""
+    return values if values.flags.c_contiguous and values.flags.writeable else values.copy()
+
+
+def _as_array(values) -> np.ndarray | None:
+    """`values` as a numpy array, None where numpy cannot make one (ragged lists)."""
+    try:
+        return values if isinstance(values, np.ndarray) else np.asarray(values)
+    except ValueError:
+        return None
 
 
 def counts(request_ids: Sequence[Hashable], values, name: str, *, check_range: bool = True) -> np.ndarray:
@@ -66,21 +73,18 @@ def counts(request_ids: Sequence[Hashable], values, name: str, *, check_range: b
 
     One numpy conversion where the counts are fine; a list that mixes Python bools among ints passes as 0
     and 1 (numpy's conversion cannot tell them apart, and a scan per element would cost more than the call)."""
-    try:
-        array = values if isinstance(values, np.ndarray) else np.asarray(values)
-    except ValueError:  # ragged
-        array = None
+    arr = _as_array(values)
     if (
-        array is None
-        or array.ndim != 1
-        or array.dtype.kind not in "iu"
-        or len(array) != len(request_ids)
+        arr is None
+        or arr.ndim != 1
+        or arr.dtype.kind not in "iu"
+        or len(arr) != len(request_ids)
         or isinstance(values, (str, bytes))
     ):
         return _checked_counts(request_ids, values, name)
-    if check_range and len(array) and (array.min() < 0 or array.max() > MAX_COUNT):
+    if check_range and len(arr) and (arr.min() < 0 or arr.max() > MAX_COUNT):
         return _checked_counts(request_ids, values, name)
-    return _own(array.astype(np.int64, copy=False))
+    return _own(arr.astype(np.int64, copy=False))
 
 
 def _checked_counts(request_ids, values, name: str) -> np.ndarray:
@@ -115,9 +119,9 @@ def flags(request_ids: Sequence[Hashable], values, name: str) -> np.ndarray:
     """bool[R]: one bool for every request, or one per request."""
     if isinstance(values, (bool, np.bool_)):
         return np.full(len(request_ids), bool(values))
-    array = values if isinstance(values, np.ndarray) else np.asarray(values)
-    if array.shape == (len(request_ids),) and array.dtype == bool and not isinstance(values, (str, bytes)):
-        return _own(array)
+    arr = _as_array(values)
+    if arr is not None and arr.shape == (len(request_ids),) and arr.dtype == bool:
+        return _own(arr)
     sequence(values, name)
     if len(values) != len(request_ids):
         raise ValueError(
