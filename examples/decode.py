@@ -240,8 +240,9 @@ def main(argv=None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             grouping="vllm",
         )
-    except ValueError as e:
-        raise SystemExit(f"--num-blocks {budget // probe.bytes_per_block}: {e}") from None
+    except ValueError as e:  # a --num-blocks too small for one request
+        pool = f"--num-blocks {args.num_blocks}" if args.num_blocks is not None else "the default pool"
+        raise SystemExit(f"{pool}: {e}") from None
     mesh = model_mesh(args.tp) if args.tp > 1 else None
     proposer = None
     if args.speculate is not None:

@@ -462,7 +462,7 @@ class KVCacheManager:
         lengths = validation.token_lists(request_ids, new_token_ids, "new_token_ids")
         if self._host is not None and slots is not None and self._append_host(slots, lengths, new_token_ids):
             return
-        slots = self._slots(request_ids)
+        slots = self._checked_slots(request_ids, slots)
         num_tokens = self._num_tokens[slots] + lengths
         over = num_tokens > self.cfg.max_model_len
         if over.any():
@@ -588,7 +588,7 @@ class KVCacheManager:
         if compiled and (num_lookahead_tokens is None or not lookahead.any()):
             ok = self._allocate_compiled(slots, num_new, hits, must_fit)
         if ok is None:  # the general path; its errors name what is wrong
-            slots = self._slots(request_ids)
+            slots = self._checked_slots(request_ids, slots)
             if compiled:
                 num_new = validation.counts(request_ids, num_new_tokens, "num_new_tokens")
                 if num_new_computed_tokens is not None:
@@ -1275,7 +1275,11 @@ class KVCacheManager:
             raise
 
     def _slots(self, request_ids: Sequence[Hashable]) -> np.ndarray:
-        slots = self._known_slots(request_ids)
+        """int32[R]: the requests' slots; raises naming an unknown or repeated id."""
+        return self._checked_slots(request_ids, self._known_slots(request_ids))
+
+    def _checked_slots(self, request_ids: Sequence[Hashable], slots: np.ndarray | None) -> np.ndarray:
+        """`_slots` from the `_known_slots` already looked up."""
         if slots is None:
             self._slot(next(r for r in request_ids if r not in self._slot_of))
         slots = slots.astype(np.int32)
