@@ -23,9 +23,9 @@ BACKENDS = [("jax", MIXED_CFG), ("host", MIXED_CFG), ("host", ATTENTION_CFG)]
 IDS = ("a", "b", "c")  # one-character ids: a bare string "cb" given as ids would name two of them
 
 
-def manager(backend, cfg):
+def manager(backend, cfg, **kw):
     # One allocation program on the jitted backend (no work signatures): this test is about the boundary.
-    return KVCacheManager(cfg, max_num_seqs=4, backend=backend, specialize_steps=False)
+    return KVCacheManager(cfg, max_num_seqs=4, backend=backend, specialize_steps=False, **kw)
 
 
 def bad_calls(mgr, live: dict[str, list[int]], draw):
@@ -114,7 +114,7 @@ def test_a_refused_call_changes_nothing(backend, cfg, data):
     raise, naming its value or parameter, and leave it equal to the twin:
     block ids, counts, free blocks, the whole state (pool, free order, index) and what a later request
     sharing a prefix gets."""
-    victim, twin = manager(backend, cfg), manager(backend, cfg)
+    victim, twin = manager(backend, cfg, debug_checks=True), manager(backend, cfg)  # invariants after every step
     live: dict[str, list[int]] = {}  # request id -> its tokens
     for _ in range(data.draw(st.integers(10, 30), label="num_ops")):
         op = data.draw(st.sampled_from(["add", "advance", "advance", "mark", "free", "hand_over"]))
