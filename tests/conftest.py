@@ -13,12 +13,24 @@ XLA compiles the tests' programs with its backend optimizations off (`TEST_XLA_F
 inherited by the example runs): most of the suite's time is compilation of programs that then run once or a few
 times on tiny inputs. A tiny config's full allocation program with prefix caching then compiles in 5.7 s instead
 of 11.7 s (jax 0.10.2; 4.6 s instead of 6.7 s on jax 0.12), and the example's tiny run takes 52 s instead of 79 s.
-The programs compute the same results; benchmarks run with XLA's defaults."""
+The programs compute the same results; benchmarks run with XLA's defaults.
+
+One persistent compilation cache serves the whole run (`RUN_COMPILATION_CACHE`, a fresh folder removed when the run
+ends, set before jax is imported and so inherited by every example child process): a program that one test module
+or child process compiled is read back, not compiled again, by every later module (`jax.clear_caches()` below drops
+only the in-memory copies) and every later child. Every program is stored, however fast it compiled
+(`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0`): at XLA's lowest optimization level most compile in under jax's
+default threshold of one second, and the example's tiny run then takes 9 s with a warm cache against 30 s cold."""
 
 import os
+import shutil
+import tempfile
 
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+RUN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jaxkv-tests-compilation-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = RUN_COMPILATION_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -30,3 +42,7 @@ def _clear_jax_caches():
     and XLA:CPU crashed compiling late in a long run (CI, 2026-11-29)."""
     yield
     jax.clear_caches()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(RUN_COMPILATION_CACHE, ignore_errors=True)

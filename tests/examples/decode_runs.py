@@ -36,14 +36,10 @@ TINY = [
 DIGEST = re.compile(r"generated tokens digest (\w+)")
 
 
-COMPILATION_CACHE: list[str] = []  # set by conftest: one persistent compilation cache for the session's runs
-
-
 def decode_env(**extra: str) -> dict[str, str]:
-    """The child's environment: the CPU, and the shared compilation cache (each allocation work
-    signature of the manager compiles once for all runs, not once per run)."""
-    cache = {"JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE[0]} if COMPILATION_CACHE else {}
-    return dict(os.environ, JAX_PLATFORMS="cpu", **cache, **extra)
+    """The child's environment: the CPU, and what the tests' conftest set (XLA's flags and the run's persistent
+    compilation cache: each program compiles once for all runs and the test process, not once per run)."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", **extra)
 
 
 def run_decode(*extra: str, timeout: int = 600) -> str:
