@@ -33,7 +33,8 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from serving_workload import gemma3_27b_config, sync_cpu_dispatch  # noqa: E402
 
-from jaxkv.manager import UPLOAD_ROWS, KVCacheManager  # noqa: E402
+from jaxkv.manager import KVCacheManager  # noqa: E402
+from jaxkv.manager.jax_engine import UPLOAD_ROWS  # noqa: E402
 from jaxkv.prefix.state import UPLOAD_WORDS  # noqa: E402
 
 BLOCK = 16
@@ -46,7 +47,9 @@ def program_ops(mgr: KVCacheManager, work, num_rows: int) -> int:
     if mgr.prefix_config is not None:
         uploads = np.zeros((UPLOAD_ROWS, UPLOAD_WORDS), np.uint32)
     text = (
-        mgr._allocate_fn.lower(mgr._state, rows, mgr._device_counts(), None, uploads, None, work=work)
+        mgr._engine._allocate_fn.lower(
+            mgr._engine._state, rows, mgr._engine._device_counts(), None, uploads, None, work=work
+        )
         .compile()
         .as_text()
     )
@@ -70,7 +73,9 @@ def best_us(fn, setup, repeats=5, calls=30):
 def measure(num_blocks: int, num_rows: int, caching: bool, specialize: bool) -> dict:
     cfg = gemma3_27b_config(num_blocks, 32768, 8192)
     out, programs = {}, {}
-    mgr = KVCacheManager(cfg, max_num_seqs=256, enable_prefix_caching=caching, specialize_steps=specialize)
+    mgr = KVCacheManager(
+        cfg, max_num_seqs=256, enable_prefix_caching=caching, specialize_steps=specialize, backend="jax"
+    )
     if not specialize:
         mgr.warm_up()  # specialised signatures compile on first use, outside the best of 5
     passthrough = jax.jit(lambda state, x: (state, x + 1), donate_argnums=0)
@@ -136,7 +141,7 @@ def measure(num_blocks: int, num_rows: int, caching: bool, specialize: bool) -> 
     out = {k: round(v, 1) for k, v in out.items()}
     for case, work in programs.items():  # the signature of each case's timed call and its program's size
         out[f"{case}_work"] = None if work is None else str(work)
-        out[f"{case}_ops"] = 0 if work is None else program_ops(mgr, work, mgr._num_rows(num_rows))
+        out[f"{case}_ops"] = 0 if work is None else program_ops(mgr, work, mgr._engine._num_rows(num_rows))
     return out
 
 

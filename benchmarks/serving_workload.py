@@ -408,7 +408,7 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--no-prefix-caching", action="store_true", help="run with prefix caching off")
     p.add_argument("--speculate", type=int, default=0, metavar="K", help="K drafts per decoding row (0: off)")
-    p.add_argument("--backend", choices=("jax", "host"), default="jax", help="the manager's state backend")
+    p.add_argument("--backend", choices=("host", "jax"), default="host", help="the manager's engine")
     p.add_argument("--warmup-replays", type=int, default=1, help="untimed replays first (0: time the first one)")
     p.add_argument(
         "--trace",

@@ -13,7 +13,7 @@ summed over XLA's threads (CPU time, not wall time). Run it without JAX's persis
 cache: a cached executable may carry an older program's metadata.
 
 The compiled text is compiled again here, so keep --max-programs well under MAX_PROGRAMS: each
-program's kernels take memory maps (see `jaxkv.manager.MAX_PROGRAMS`).
+program's kernels take memory maps (see `jaxkv.manager.jax_engine.MAX_PROGRAMS`).
 
     python benchmarks/step_phases.py --workload /tmp/workload.json --num-requests 200 --max-programs 12 --json
 """
@@ -34,8 +34,8 @@ import jax
 import serving_workload as sw
 from jax.profiler import ProfileData
 
-from jaxkv import manager as manager_module
 from jaxkv.manager import KVCacheManager
+from jaxkv.manager import jax_engine as manager_module
 
 PHASES = (
     "sync_counts",
@@ -127,6 +127,7 @@ def main(argv=None) -> int:
         max_num_batched_tokens=8192,
         max_model_len=32768,
         no_prefix_caching=False,
+        backend="jax",
     )
     sw.replay(ns, workload)  # compiles and runs every program once
 
@@ -136,11 +137,11 @@ def main(argv=None) -> int:
     original = KVCacheManager.allocate_slots_batch
 
     def timed(self, *a, **kw):
-        self._allocate_fn.in_step = True
+        self._engine._allocate_fn.in_step = True
         t = time.perf_counter()
         out = original(self, *a, **kw)
         dt = time.perf_counter() - t
-        self._allocate_fn.in_step = False
+        self._engine._allocate_fn.in_step = False
         if self.last_work is not None:
             call_us.append(dt * 1e6)
         return out

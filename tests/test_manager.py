@@ -24,16 +24,18 @@ CFG = make_cfg(16, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_b
 # The same without the state group: the host backend allocates in one compiled call, its checks included.
 ATTENTION_CFG = make_cfg(16, full(2), sliding(2, 4), max_model_len=16, max_num_batched_tokens=8)
 BACKENDS = [("jax", CFG), ("host", CFG), ("host", ATTENTION_CFG)]
+BACKEND_NAMES = ["host", "jax"]
 
 
 def manager(cfg=CFG, **kw):
     mgr = KVCacheManager(cfg, max_num_seqs=3, **kw)
-    assert mgr._compiled_host == (cfg is ATTENTION_CFG and mgr.backend == "host")
+    assert mgr._engine.checks_counts == (cfg is ATTENTION_CFG and mgr.backend == "host")
     return mgr
 
 
-def test_request_lifecycle():
-    mgr = manager(debug_checks=True)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_request_lifecycle(backend):
+    mgr = manager(debug_checks=True, backend=backend)
     mgr.add_request("a", [1, 2, 3, 4, 5])
     assert mgr.get_computed_tokens("a") == 0
     assert mgr.allocate_slots("a", 5, num_new_computed_tokens=0)
@@ -55,8 +57,9 @@ def test_request_lifecycle():
     assert mgr.num_requests == 1
 
 
-def test_batch_stops_at_the_first_request_that_does_not_fit():
-    mgr = manager(debug_checks=True)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_batch_stops_at_the_first_request_that_does_not_fit(backend):
+    mgr = manager(debug_checks=True, backend=backend)
     for rid, n in (("a", 6), ("b", 16), ("c", 2)):
         mgr.add_request(rid, list(range(n)))
     # a: 3 + 3 + 1 blocks; b would need 8 + 8 + 1 > 8 left; c fits but comes after b.
@@ -66,10 +69,11 @@ def test_batch_stops_at_the_first_request_that_does_not_fit():
     assert mgr.allocate_slots_batch(["c", "b"], [2, 2]).tolist() == [True, True]
 
 
-def test_full_sequence_must_fit_per_request():
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_full_sequence_must_fit_per_request(backend):
     # Caps per request: full 8 blocks, sliding cdiv(4 - 1 + 8, 2) + 1 = 7, state 1.
     def admit(must_fit):
-        mgr = manager(debug_checks=True)
+        mgr = manager(debug_checks=True, backend=backend)
         mgr.add_request("long", list(range(12)))  # whole: 6 + 6 + 1 = 13 blocks; a 4-token chunk: 2 + 2 + 1
         mgr.add_request("short", list(range(10)))  # whole: 5 + 5 + 1 = 11 blocks
         return mgr.allocate_slots_batch(["long", "short"], [4, 4], full_sequence_must_fit=must_fit).tolist()
@@ -80,7 +84,7 @@ def test_full_sequence_must_fit_per_request():
 
 
 def test_deferred_frees_ride_on_the_next_allocation():
-    mgr = manager(debug_checks=False)
+    mgr = manager(debug_checks=False, backend="jax")
     mgr.add_request("a", list(range(8)))  # 4 + 4 + 1 blocks
     mgr.add_request("b", list(range(4)))  # 2 + 2 + 1 blocks
     assert mgr.allocate_slots_batch(["a", "b"], [8, 4]).tolist() == [True, True]
@@ -100,7 +104,7 @@ def test_deferred_frees_ride_on_the_next_allocation():
 def test_free_count_survives_a_key_upload():
     # Reading the state applies pending frees, then stores pending keys: a dispatch that donates the
     # state. The free count read after it comes from the new state.
-    mgr = manager()
+    mgr = manager(backend="jax")
     mgr.add_request("a", list(range(8)))
     assert mgr.allocate_slots("a", 8)
     mgr.free("a")
@@ -109,8 +113,9 @@ def test_free_count_survives_a_key_upload():
     assert mgr.num_free_blocks == 15
 
 
-def test_kernel_views():
-    mgr = manager()
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_kernel_views(backend):
+    mgr = manager(backend=backend)
     mgr.add_request("a", list(range(5)))
     mgr.add_request("b", list(range(3)))
     mgr.allocate_slots_batch(["a", "b"], [5, 3])
@@ -126,7 +131,7 @@ def test_kernel_views():
 
 
 def test_warm_up_changes_nothing():
-    mgr = manager()
+    mgr = manager(backend="jax")
     mgr.warm_up()
     assert mgr.num_free_blocks == 15
     check_invariants(CFG, mgr.state)
@@ -242,7 +247,7 @@ def test_random_use_matches_model(backend, cfg, data):
             for rid, hit, fits in zip(rids, hits, ok):
                 written[rid] += hit if fits else 0  # claimed hits hold cached content
             assert mgr.num_free_blocks == model.num_free_blocks
-            assert_state_matches(mgr._state if backend == "jax" else mgr.state, model)  # jax: no read, no flush
+            assert_state_matches(mgr._engine._state if backend == "jax" else mgr.state, model)  # jax: no read, no flush
             for rid, slot in zip(rids, slots):
                 for g, ids in enumerate(mgr.get_block_ids(rid)):
                     assert list(ids) == model.tables[g][slot][: len(ids)]
@@ -316,7 +321,7 @@ def test_keys_appended_before_the_upload_go_once():
     # 60 prompt keys and 4 appended ones wait together: the upload holds each key once (64 rows: the
     # smallest upload width), and the device has all 64.
     cfg = make_cfg(200, full(2), max_model_len=256, max_num_batched_tokens=16)
-    mgr = KVCacheManager(cfg, max_num_seqs=2)
+    mgr = KVCacheManager(cfg, max_num_seqs=2, backend="jax")
     mgr.add_request("a", list(range(121)))
     mgr.append_token_ids("a", list(range(200, 208)))
     state = mgr.state
@@ -327,7 +332,7 @@ def test_keys_appended_before_the_upload_go_once():
 
 def test_state_lives_on_the_given_device():
     device = jax.devices("cpu")[0]
-    mgr = KVCacheManager(CFG, max_num_seqs=3, device=device)
+    mgr = KVCacheManager(CFG, max_num_seqs=3, device=device, backend="jax")
     mgr.add_request("a", list(range(9)))
     assert mgr.allocate_slots("a", 9)
     assert {leaf.devices().pop() for leaf in jax.tree_util.tree_leaves(mgr.state)} == {device}
@@ -386,16 +391,23 @@ def assert_same_state(a, b):
         np.testing.assert_array_equal(getattr(a.prefix, name), getattr(b.prefix, name), err_msg=name)
 
 
-def test_batched_appends_hash_only_completed_units():
-    mgr = manager()
+def engine_keys(mgr, request_id) -> np.ndarray:
+    """The unit keys the manager's engine holds for the request (its state, pending keys stored first)."""
+    state, slot = mgr.state, mgr.slots_of([request_id])[0]
+    return np.asarray(state.prefix.req_hashes[slot, : int(state.prefix.num_hashed_units[slot])])
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_batched_appends_hash_only_completed_units(backend):
+    mgr = manager(backend=backend)
     mgr.add_request("a", [1, 2, 3])  # unit 2: one unit hashed, one token pending
     mgr.add_request("b", [4, 5])
     mgr.append_token_ids_batch(["a", "b"], [[4], [6]])  # a completes unit 1; b has one token pending
     assert mgr.num_tokens("a") == 4 and mgr.num_tokens("b") == 3
-    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["a"])[0]], prompt_unit_hashes([1, 2, 3, 4], 2))
-    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["b"])[0]], prompt_unit_hashes([4, 5], 2))
+    np.testing.assert_array_equal(engine_keys(mgr, "a"), prompt_unit_hashes([1, 2, 3, 4], 2))
+    np.testing.assert_array_equal(engine_keys(mgr, "b"), prompt_unit_hashes([4, 5], 2))
     mgr.append_token_ids_batch(["b"], [[7, 8, 9]])
-    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["b"])[0]], prompt_unit_hashes([4, 5, 6, 7, 8, 9], 2))
+    np.testing.assert_array_equal(engine_keys(mgr, "b"), prompt_unit_hashes([4, 5, 6, 7, 8, 9], 2))
     with pytest.raises(ValueError, match="more than max_model_len"):
         mgr.append_token_ids_batch(["a"], [list(range(13))])
     assert mgr.num_tokens("a") == 4  # nothing recorded
@@ -413,7 +425,7 @@ def test_a_preempted_requests_hasher_comes_back_with_its_grown_prompt():
     assert hasher.num_tokens == 4
     mgr.free("a")  # preempted: comes back with its 5 tokens as the prompt
     mgr.add_request("a", [1, 2, 3, 4, 5], unit_hasher=hasher)
-    np.testing.assert_array_equal(mgr._keys[mgr.slots_of(["a"])[0]], prompt_unit_hashes([1, 2, 3, 4, 5], 2))
+    np.testing.assert_array_equal(engine_keys(mgr, "a"), prompt_unit_hashes([1, 2, 3, 4, 5], 2))
     assert hasher.num_tokens == 5
     assert mgr.get_computed_tokens("a") == 4
     with pytest.raises(ValueError, match="unit_hasher has taken 5 tokens, the prompt of request 'b' has 4"):

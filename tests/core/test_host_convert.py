@@ -149,7 +149,10 @@ def traffic_after(mgr):
 def test_converted_state_carries_on_like_the_original(case):
     cfg, options = CASES[case]
     # Twin managers under the same calls: one keeps its state, the other continues from the converted one.
-    twins = [KVCacheManager(cfg, max_num_seqs=6, debug_checks=True, specialize_steps=False, **options) for _ in "ab"]
+    twins = [
+        KVCacheManager(cfg, max_num_seqs=6, debug_checks=True, specialize_steps=False, backend="jax", **options)
+        for _ in "ab"
+    ]
     results = [traffic_before(mgr) for mgr in twins]
     assert results[0] == results[1]
     ids = ["b", "d", "e"]

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv import KVCacheManager
-from jaxkv import manager as manager_module
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepWork
-from jaxkv.manager import _walk_size
+from jaxkv.manager import jax_engine
+from jaxkv.manager.jax_engine import _walk_size
 
 CONFIGS = {
     # Attention groups only: rows without block work stay on the host.
@@ -42,9 +42,16 @@ def run_random_ops(name, caching, data, speculate=False):
     verification that rejects some drafts (rolled back at the rows' next allocations)."""
     cfg = CONFIGS[name]
     spec = 3 if speculate else 0
-    lean = KVCacheManager(cfg, max_num_seqs=3, enable_prefix_caching=caching, num_speculative_tokens=spec)
+    lean = KVCacheManager(
+        cfg, max_num_seqs=3, enable_prefix_caching=caching, num_speculative_tokens=spec, backend="jax"
+    )
     whole = KVCacheManager(
-        cfg, max_num_seqs=3, enable_prefix_caching=caching, specialize_steps=False, num_speculative_tokens=spec
+        cfg,
+        max_num_seqs=3,
+        enable_prefix_caching=caching,
+        specialize_steps=False,
+        num_speculative_tokens=spec,
+        backend="jax",
     )
     running: list[str] = []
     next_id = 0
@@ -146,13 +153,13 @@ def test_walk_sizes():
 def test_a_step_without_block_work_makes_no_dispatch():
     # Block 4, one full group: a decode inside a block takes nothing, releases nothing, fills nothing.
     cfg = make_cfg(8, full(4), max_model_len=16, max_num_batched_tokens=8)
-    mgr = KVCacheManager(cfg, max_num_seqs=2, enable_prefix_caching=False)
+    mgr = KVCacheManager(cfg, max_num_seqs=2, enable_prefix_caching=False, backend="jax")
     mgr.add_request("a", [1, 2, 3, 4, 5])
     assert mgr.allocate_slots("a", 5)  # blocks 0 and 1: a dispatch
     mgr.append_token_ids("a", [6])
-    state_before = mgr._state
+    state_before = mgr._engine._state
     assert mgr.allocate_slots("a", 1)  # token 5 lands in block 1: host only
-    assert mgr._state is state_before and mgr.num_computed_tokens("a") == 6
+    assert mgr._engine._state is state_before and mgr.num_computed_tokens("a") == 6
     assert int(mgr.state.num_computed[mgr.slots_of(["a"])[0]]) == 6  # a read writes the count first
     check_invariants(cfg, mgr.state)
 
@@ -161,9 +168,9 @@ def test_steps_past_the_program_bound_run_the_full_program(monkeypatch):
     # A config of its own (its program set is fresh); a bound of one specialised program: the second
     # signature runs StepWork(), with the same outcome as the full manager.
     cfg = make_cfg(20, full(2), sliding(2, 4), max_model_len=20, max_num_batched_tokens=8)
-    monkeypatch.setattr(manager_module, "MAX_PROGRAMS", 1)
-    lean = KVCacheManager(cfg, max_num_seqs=2)
-    whole = KVCacheManager(cfg, max_num_seqs=2, specialize_steps=False)
+    monkeypatch.setattr(jax_engine, "MAX_PROGRAMS", 1)
+    lean = KVCacheManager(cfg, max_num_seqs=2, backend="jax")
+    whole = KVCacheManager(cfg, max_num_seqs=2, specialize_steps=False, backend="jax")
     for mgr in (lean, whole):
         mgr.add_request("a", [1, 2, 3, 4, 5])
         assert mgr.allocate_slots("a", 5)  # takes blocks, indexes two: a first signature
@@ -172,6 +179,6 @@ def test_steps_past_the_program_bound_run_the_full_program(monkeypatch):
         mgr.add_request("b", [1, 2, 3, 4, 5, 6, 7])
         hit = mgr.get_computed_tokens("b")
         assert hit == 4 and mgr.allocate_slots("b", 3, num_new_computed_tokens=hit)  # claims: another one
-    assert lean.last_work == StepWork() and len(lean._programs) == 1
+    assert lean.last_work == StepWork() and len(lean._engine._programs) == 1
     _assert_same(lean, whole)
     check_invariants(cfg, lean.state, lean.prefix_config)
