@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Replays a serving workload through jaxkv's batched jitted manager API and times the KV bookkeeping.
+"""Replays a serving workload through jaxkv's batched manager API (the default engine, or `--backend jax`) and times
+the KV bookkeeping.
 
 The workload file comes from ../shared/workloads/serving_workload.py; the
 scheduler is the one of ../shared/workloads/serving-workload.md (synchronous

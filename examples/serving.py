@@ -20,9 +20,12 @@ With state (Mamba / linear-attention) groups, prefill chunks end at block ends
 and at the prompt tail's final hash-unit boundary (vLLM's "align" mode), where the
 manager saves a state that later requests can resume from.
 When every running request is decoding and nobody waits, `decode_steps`
-decode steps run in one jitted `lax.scan`, allocation included: the
-manager's pure transitions run on the device between model steps, and
-`jaxkv.step_metadata` gives each step's metadata from the state.
+decode steps run in one jitted `lax.scan`: the manager reserves the steps'
+slots first and hands over only the rows' block tables and counts
+(`mgr.hand_over`, as vLLM's multi-step scheduler reserved lookahead slots),
+`jaxkv.step_metadata` gives each step's metadata from them, and
+`mgr.hand_back` takes the tokens produced, gives the unused slots back and
+makes the filled blocks findable.
 
 Speculative decoding (`proposer`: `ngram_proposer(K)`, prompt lookup, or a `DraftModel`, the target's first
 layers): a decoding request schedules its next token and up to K draft tokens (a draft model proposes them
@@ -30,7 +33,8 @@ after the allocation, one pass per draft, through the target's cache); the step 
 (a draft is accepted while it equals the target's argmax before it), the accepted drafts and the target's
 next token are emitted, and the manager rolls the rejected drafts back (`reject_tokens`). Greedy
 speculative decoding emits exactly the tokens of greedy decoding. The on-device loop proposes
-(`_propose_ngram`, `_draft_passes`), verifies and rolls back the same way inside its `lax.scan`.
+(`_propose_ngram`, `_draft_passes`) and verifies the same way inside its `lax.scan`; a rejected draft's slot
+takes the next token.
 """
 
 from __future__ import annotations
@@ -47,9 +51,7 @@ from flax import nnx
 from sharding import cache_sharding, out_shardings
 
 import jaxkv
-from jaxkv.core import state as st
 from jaxkv.manager import KVCacheManager
-from jaxkv.prefix.state import partial_groups
 
 
 @dataclasses.dataclass
@@ -169,45 +171,45 @@ def _decode_loop(
     graphdef,
     mesh,
     kv_cfg,
-    prefix,
-    copies,
     num_drafts,
     draft_layers,
     num_steps,
     params,
     cache,
-    state,
+    rows_state,
     req_slots,
+    num_reserved,
     history,
     length,
     remaining,
     eos,
 ):
-    """N decode steps on device: allocate, write and attend, sample (and verify drafts); repeat.
+    """N decode steps on device through the slots `KVCacheManager.hand_over` reserved: write and attend,
+    sample (and verify drafts); repeat. Nothing is allocated here.
 
-    req_slots int32[R] (S = padding); history int32[R, L] each row's tokens, length int32[R] how many (the
-    last is the token the row computes next); remaining int32[R] tokens each row may still produce; eos
-    int32[R, E] each row's EOS ids (-1 padding: a row stops after producing one). With `copies` (static: hits
-    may end inside a block), the block copies an allocation makes (a row whose last step ended at its prompt
-    tail moves to a copy of its state) are applied before the step's forward pass and released by the next
-    allocation. With `num_drafts` K > 0 (static), each row also schedules up to K drafts, verified greedily
-    (the rejected ones roll back at the row's next allocation): prompt lookup (`_propose_ngram`), or with
-    `draft_layers` (static) K passes of the target's first layers after the allocation (`DraftModel`).
+    rows_state, req_slots, num_reserved: the hand-over's `LoopRows` (the rows' block tables, and the tokens
+    each may compute, from its computed count on); history int32[R, L] each row's tokens, length int32[R] how
+    many (the last is the token the row computes next); remaining int32[R] tokens each row may still produce;
+    eos int32[R, E] each row's EOS ids (-1 padding: a row stops after producing one). With `num_drafts` K > 0
+    (static), each row also schedules up to K drafts, verified greedily (a rejected draft's slot takes the
+    next token): prompt lookup (`_propose_ngram`), or with `draft_layers` (static) K passes of the target's
+    first layers (`DraftModel`).
 
-    Returns the state, the cache, per step (leading axis N) and row: produced bool, emitted int32 (tokens
-    produced: the accepted drafts and the next token, cut at EOS and `remaining`), tokens int32[.., 1 + K] and
-    logits float32[.., 1 + K, V] (the first `emitted` are the produced tokens and their positions' logits);
-    then the rows' rejected drafts int32[R] (to roll back), whether a row ran out of blocks, the destinations
-    int32[R G] of the last step's copies (still pinned), the copies made, and drafts proposed and accepted.
+    Returns the cache, per step (leading axis N) and row: produced bool, emitted int32 (tokens produced: the
+    accepted drafts and the next token, cut at EOS and `remaining`), tokens int32[.., 1 + K] and logits
+    float32[.., 1 + K, V] (the first `emitted` are the produced tokens and their positions' logits); then the
+    drafts proposed and accepted.
     """
     num_rows = req_slots.shape[0]
-    row = req_slots < state.num_computed.shape[0]
+    row = req_slots < num_rows
     width = 1 + num_drafts  # tokens per row and step
     offsets = jnp.arange(width, dtype=jnp.int32)
+    start = length  # the row's tokens when the loop starts: it computes from position start − 1 on
 
     def step(carry, _):
-        state, cache, history, length, left, stopped, rejected, pinned, counts = carry
-        wanted = row & (left > 0) & ~stopped
+        cache, history, length, left, stopped, counts = carry
+        room = jnp.minimum(left, num_reserved - (length - start))  # tokens the row may compute in this step
+        produced = row & (room > 0) & ~stopped
         token = history[jnp.arange(num_rows), length - 1]
         drafts, num_new_drafts = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros(num_rows, jnp.int32)
         if num_drafts:
@@ -215,25 +217,10 @@ def _decode_loop(
                 drafts, num_new_drafts = _propose_ngram(history, length, num_drafts)
             else:
                 num_new_drafts = jnp.full(num_rows, num_drafts, jnp.int32)
-            room = jnp.minimum(left, kv_cfg.max_model_len - length + 1)
             num_new_drafts = jnp.clip(jnp.minimum(num_new_drafts, room - 1), 0, num_drafts)
-        state, result = st.allocate(
-            state,
-            req_slots,
-            jnp.where(wanted, 1 + num_new_drafts, 0),
-            cfg=kv_cfg,
-            prefix=prefix,
-            released_copies=pinned if copies else None,
-            num_rejected_tokens=rejected if num_drafts else None,
-        )
-        if copies:
-            made = result.copies.reshape(-1, 3)
-            apply = jnp.any(made[:, 1] != jaxkv.NULL_BLOCK).astype(jnp.int32)  # a loop of 0 or 1 steps, in place
-            cache = jax.lax.fori_loop(0, apply, lambda _, c: jaxkv.copy_blocks(c, made, cfg=kv_cfg), cache)
-            pinned = made[:, 1]
-            counts = counts.at[0].add(jnp.sum(pinned != jaxkv.NULL_BLOCK, dtype=jnp.int32))
-        produced = result.ok & wanted
         num_new = jnp.where(produced, 1 + num_new_drafts, 0)
+        # The rows' counts after this step's tokens, as an allocation would leave them.
+        state = dataclasses.replace(rows_state, num_computed=jnp.where(produced, length - 1 + num_new, 0))
         if draft_layers is not None:
             cache, drafts = _draft_passes(
                 graphdef,
@@ -250,8 +237,8 @@ def _decode_loop(
             )
         meta = jaxkv.step_metadata(state, req_slots, num_new, cfg=kv_cfg, num_tokens=num_rows * width)
         # The rows' tokens packed in row order as `meta` packs them; row r's logits sit at its first token on.
-        start = meta.query_start_loc[:-1]
-        flat = jnp.minimum(start[:, None] + offsets, num_rows * width - 1)  # [R, 1 + K]
+        start_loc = meta.query_start_loc[:-1]
+        flat = jnp.minimum(start_loc[:, None] + offsets, num_rows * width - 1)  # [R, 1 + K]
         packed = (
             jnp.zeros(num_rows * width, jnp.int32)
             .at[jnp.where(offsets < num_new[:, None], flat, num_rows * width)]
@@ -272,20 +259,16 @@ def _decode_loop(
             jnp.arange(num_rows)[:, None],
             jnp.where(offsets < emitted[:, None], length[:, None] + offsets, history.shape[1]),
         ].set(targets, mode="drop")
-        counts = counts.at[1:].add(
-            jnp.stack([jnp.sum(jnp.where(produced, num_new_drafts, 0)), jnp.sum(jnp.where(produced, accepted, 0))])
+        counts = counts + jnp.stack(
+            [jnp.sum(jnp.where(produced, num_new_drafts, 0)), jnp.sum(jnp.where(produced, accepted, 0))]
         )
-        rejected = jnp.where(produced, num_new_drafts - accepted, 0)
-        stalled = jnp.any(wanted & ~result.ok)
-        carry = (state, cache, history, length + emitted, left - emitted, stopped | ends, rejected, pinned, counts)
-        return carry, (produced, emitted, targets, logits, stalled)
+        carry = (cache, history, length + emitted, left - emitted, stopped | ends, counts)
+        return carry, (produced, emitted, targets, logits)
 
-    zeros = jnp.zeros(num_rows, jnp.int32)
-    pinned = jnp.zeros(num_rows * len(kv_cfg.groups), jnp.int32)
-    carry = (state, cache, history, length, remaining, jnp.zeros_like(row), zeros, pinned, jnp.zeros(3, jnp.int32))
-    carry, (produced, emitted, tokens, logits, stalled) = jax.lax.scan(step, carry, None, length=num_steps)
-    state, cache, _, _, _, _, rejected, pinned, counts = carry
-    return state, cache, produced, emitted, tokens, logits, rejected, jnp.any(stalled), pinned, counts
+    carry = (cache, history, length, remaining, jnp.zeros_like(row), jnp.zeros(2, jnp.int32))
+    carry, (produced, emitted, tokens, logits) = jax.lax.scan(step, carry, None, length=num_steps)
+    cache, counts = carry[0], carry[-1]
+    return cache, produced, emitted, tokens, logits, counts
 
 
 class ServingLoop:
@@ -334,7 +317,6 @@ class ServingLoop:
             donate_argnums=(1,),
             **out_shardings(mesh, "replicated", "cache"),
         )
-        copies = bool(partial_groups(kv_cfg, self.mgr.prefix_config))  # hits may end inside a block
         num_drafts = 0 if proposer is None else proposer.num_drafts
         draft_layers = proposer.num_layers if isinstance(proposer, DraftModel) else None
         if draft_layers is not None:
@@ -344,19 +326,9 @@ class ServingLoop:
                 **out_shardings(mesh, "cache", "replicated"),
             )
         self._decode_loop = jax.jit(  # see _decode_loop for what it returns
-            functools.partial(
-                _decode_loop,
-                graphdef,
-                mesh,
-                kv_cfg,
-                self.mgr.prefix_config,
-                copies,
-                num_drafts,
-                draft_layers,
-                decode_steps,
-            ),
-            donate_argnums=(1, 2),
-            **out_shardings(mesh, "replicated", "cache", *["replicated"] * 8),
+            functools.partial(_decode_loop, graphdef, mesh, kv_cfg, num_drafts, draft_layers, decode_steps),
+            donate_argnums=(1,),
+            **out_shardings(mesh, "cache", *["replicated"] * 5),
         )
         self.stats = Stats(peak_blocks_per_group=[0] * len(kv_cfg.groups))
 
@@ -537,51 +509,55 @@ class ServingLoop:
             req.drafts = drafts[i, : len(req.drafts)].tolist()
 
     def _device_decode(self) -> bool:
-        """Runs `decode_steps` decode steps on device; True if a row could not get a block (stalled)."""
+        """Runs `decode_steps` decode steps on device, through slots the manager reserved for them
+        (`hand_over`); True, with nothing run, if they did not fit (the next host step preempts)."""
         num_rows = self.max_num_seqs
-        req_slots = np.full(num_rows, num_rows, np.int32)
+        ids = [r.request_id for r in self.running]
+        width = 1 + (0 if self.proposer is None else self.proposer.num_drafts)
+        wanted = [min(self.decode_steps * width, r.max_new_tokens - len(r.output)) for r in self.running]
+        rows = self.mgr.hand_over(ids, wanted, num_rows=num_rows)
+        copies = self.mgr.take_block_copies()  # a request at its prompt tail moves to a copy of its state
+        if len(copies):
+            self.cache = jaxkv.copy_blocks(self.cache, copies, cfg=self.kv_cfg)
+            self.stats.block_copies += int((copies[:, 1] != jaxkv.NULL_BLOCK).sum())
+        if rows is None:
+            return True
         history = np.zeros((num_rows, self.kv_cfg.max_model_len), np.int32)
         length = np.ones(num_rows, np.int32)
         remaining = np.zeros(num_rows, np.int32)
-        n = len(self.running)
-        req_slots[:n] = self.mgr.slots_of([r.request_id for r in self.running])
         for i, r in enumerate(self.running):
             history[i, : len(r.tokens)] = r.tokens
             length[i] = len(r.tokens)
-        remaining[:n] = [r.max_new_tokens - len(r.output) for r in self.running]
+        remaining[: len(ids)] = [r.max_new_tokens - len(r.output) for r in self.running]
         eos = np.full((num_rows, max(1, *(len(r.eos_token_ids) for r in self.running))), -1, np.int32)
         for i, r in enumerate(self.running):
             eos[i, : len(r.eos_token_ids)] = r.eos_token_ids
-        state, self.cache, produced, emitted, tokens, logits, rejected, stalled, pinned, counts = self._decode_loop(
-            self.params, self.cache, self.mgr.take_state(), req_slots, history, length, remaining, eos
+        self.cache, produced, emitted, tokens, logits, counts = self._decode_loop(
+            self.params, self.cache, *rows, history, length, remaining, eos
         )
         produced, emitted, tokens = np.asarray(produced), np.asarray(emitted), np.asarray(tokens)
         logits = np.asarray(logits) if self.record_logits else None
-        num_copies, num_proposed, num_accepted = np.asarray(counts).tolist()
-        self.mgr.adopt_state(
-            state,
-            [r.request_id for r in self.running],
-            pinned_copies=np.asarray(pinned),
-            num_rejected_tokens=np.asarray(rejected)[:n],
-        )
-        self.stats.block_copies += num_copies
+        num_proposed, num_accepted = np.asarray(counts).tolist()
+        new_tokens = [[t for s in np.flatnonzero(produced[:, i]) for t in tokens[s, i, : emitted[s, i]].tolist()]
+                      for i in range(len(ids))]  # fmt: skip
+        self.mgr.hand_back(ids, new_tokens)  # appends them; the unused slots go back
         self.stats.drafts_proposed += num_proposed
         self.stats.drafts_accepted += num_accepted
         self.stats.tokens_computed += int(produced.sum()) + num_proposed
         self.stats.device_loops += 1
         self.stats.steps += self.decode_steps
         for i, req in enumerate(list(self.running)):
-            steps = np.flatnonzero(produced[:, i])
-            self._emit(req, [t for s in steps for t in tokens[s, i, : emitted[s, i]].tolist()])
-            for s in steps:
+            for s in np.flatnonzero(produced[:, i]):
                 for j in range(emitted[s, i]):
                     if self.record_logits:
                         req.logits[req.num_computed] = logits[s, i, j]
                     req.num_computed += 1
-        return bool(stalled)
+            self._emit(req, new_tokens[i], appended=True)
+        return False
 
-    def _emit(self, req: Request, new_tokens: list[int]):
-        """Appends sampled tokens (up to the first EOS); frees the request once it is done."""
+    def _emit(self, req: Request, new_tokens: list[int], appended: bool = False):
+        """Appends sampled tokens (up to the first EOS; `appended`: the manager has them); frees the request
+        once it is done."""
         new_tokens = new_tokens[: req.max_new_tokens - len(req.output)]
         ends = [i for i, token in enumerate(new_tokens) if token in req.eos_token_ids]
         new_tokens = new_tokens[: ends[0] + 1] if ends else new_tokens
@@ -595,7 +571,7 @@ class ServingLoop:
                 prompt, max_new_tokens = arrival
                 self._requests.append(Request(len(self._requests), list(prompt), max_new_tokens, req.eos_token_ids))
                 self.waiting.append(self._requests[-1])
-        elif new_tokens:
+        elif new_tokens and not appended:
             self.mgr.append_token_ids(req.request_id, new_tokens)
 
     def _track_blocks(self):

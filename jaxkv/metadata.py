@@ -76,7 +76,9 @@ def step_metadata(
     `req_slots` int32[R] (S marks padding), packed into T = `num_tokens` entries. Pure; call it
     after the allocation, with the same rows (inside jit, `cfg` and `num_tokens` static).
     `num_lookahead_tokens` int32[R] or None: lookahead slots the allocation reserved after the
-    scheduled tokens (not part of this step: `seq_lens` ends before them)."""
+    scheduled tokens (not part of this step: `seq_lens` ends before them). The state's arrays may be numpy
+    (`KVCacheManager.hand_over`'s rows)."""
+    state = jax.tree_util.tree_map(jnp.asarray, state)
     num_slots = state.num_computed.shape[0]
     row = (req_slots >= 0) & (req_slots < num_slots)
     k = jnp.where(row, num_new_tokens, 0).astype(jnp.int32)

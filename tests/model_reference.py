@@ -232,16 +232,17 @@ class ModelState:
                     self.num_cached[g][s] = 0
 
     def roll_back(self, slots, num_rejected) -> None:
-        """Speculative decoding: each slot's last `num_rejected` tokens were rejected drafts; its count
-        drops to the verified tokens and each group's entries past their blocks are released, tail first
-        (done at the start of the slot's next allocation, after the frees)."""
+        """Speculative decoding: each slot's last `num_rejected` tokens were rejected drafts (or slots a
+        device loop left unused); its count drops to the verified tokens and each group's entries past their
+        blocks are released, tail first (done at the start of the slot's next allocation, after the frees).
+        A state group's rolled back tokens never ran (the manager refuses drafts there): its block past the
+        verified tokens, if any, was never written."""
         for s, r in zip(slots, num_rejected):
             if r == 0:
                 continue
             n = self.num_computed[s] - r
             assert n >= 0, f"model: slot {s} rolls back {r} of {self.num_computed[s]} tokens"
             for g, group in enumerate(self.groups):
-                assert group.kind != "mamba", "model: a state group cannot roll back"
                 bs = group.block_size
                 self._release_range(g, s, max(self.first_live[g][s], cdiv(n, bs)), cdiv(self.num_computed[s], bs))
             self.num_computed[s] = n

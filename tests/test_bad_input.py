@@ -75,6 +75,11 @@ def bad_calls(mgr, live: dict[str, list[int]], draw):
         (lambda: mgr.step_metadata([], [], num_tokens=8, num_rows=0), ("num_rows",)),
         (lambda: mgr.step_metadata([rid], [0], num_tokens=-1), ("num_tokens",)),
         (lambda: mgr.adopt_state(None, []), ("take_state",)),
+        (lambda: mgr.hand_back([rid], [[1]]), ("hand_over",)),
+        (lambda: mgr.hand_over([rid], [bad_count]), ("num_tokens",)),
+        (lambda: mgr.hand_over([rid, rid], [1, 1]), (repr(rid),)),
+        (lambda: mgr.hand_over([other, "zz"], [1, 1]), ("'zz'",)),
+        (lambda: mgr.hand_over([rid], [1], num_rows=0), ("num_rows",)),
     ]
     return calls[draw(st.integers(0, len(calls) - 1), label="bad_call")]
 
@@ -117,7 +122,7 @@ def test_a_refused_call_changes_nothing(backend, cfg, data):
     victim, twin = manager(backend, cfg, debug_checks=True), manager(backend, cfg)  # invariants after every step
     live: dict[str, list[int]] = {}  # request id -> its tokens
     for _ in range(data.draw(st.integers(10, 30), label="num_ops")):
-        op = data.draw(st.sampled_from(["add", "advance", "advance", "mark", "free", "hand_over"]))
+        op = data.draw(st.sampled_from(["add", "advance", "advance", "mark", "free", "hand_over", "device_loop"]))
         if op == "add" and len(live) < len(IDS):
             rid = data.draw(st.sampled_from([r for r in IDS if r not in live]), label="rid")
             prompt = data.draw(st.lists(st.integers(1, 2), min_size=3, max_size=10), label="prompt")
@@ -166,6 +171,28 @@ def test_a_refused_call_changes_nothing(backend, cfg, data):
                 victim.adopt_state(state, ["zz"])
             victim.adopt_state(state, [])
             twin.adopt_state(twin_state, [])
+        elif op == "device_loop" and live:  # decoding requests' slots reserved, then bad hand-backs refused
+            rids = [rid for rid in sorted(live) if victim.num_tokens(rid) - victim.num_computed_tokens(rid) == 1]
+            wanted = [data.draw(st.integers(0, 4), label="wanted") for _ in rids]
+            rows = victim.hand_over(rids, wanted)
+            assert (rows is None) == (twin.hand_over(rids, wanted) is None)
+            if rows is not None:
+                reserved = np.asarray(rows.num_reserved).tolist()
+                produced = [[data.draw(st.integers(1, 2), label="sampled") for _ in range(r)] for r in reserved]
+                for ids, tokens, words in (
+                    (rids[::-1] + ["zz"], produced, "hand_over"),  # not the requests handed over
+                    (rids, [p + [1] for p in produced], "slots"),  # more tokens than their reservations
+                    (rids, [[-1] + p for p in produced], "token id"),
+                ):
+                    if rids:
+                        with pytest.raises(ValueError, match=words):
+                            victim.hand_back(ids, tokens)
+                        with pytest.raises(ValueError, match="hand_over"):  # the loop still holds them
+                            victim.get_block_ids(rids[0])
+                for mgr in (victim, twin):
+                    mgr.hand_back(rids, produced)
+                for rid, tokens in zip(rids, produced):
+                    live[rid] += tokens
         if live:  # then a bad call
             call, words = bad_calls(victim, live, data.draw)
             with pytest.raises((TypeError, ValueError, KeyError)) as error:

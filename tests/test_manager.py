@@ -15,6 +15,7 @@ from jaxkv import KVCacheManager, UnitHasher
 from jaxkv.core import state as ms
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.pool import free_order
+from jaxkv.manager.device_loop import reservation
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.hashing import prompt_unit_hashes
 from jaxkv.prefix.index import index_entries
@@ -196,20 +197,33 @@ def test_errors_name_the_offending_value(backend, cfg):
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_random_use_matches_model(backend, cfg, data):
-    """add / lookup / batched allocate (hits claimed, prefill chunks, decodes) / mark computed / free / preempt
-    through the facade; the device state (block ids, prefix-cache index included) equals the model after
-    every allocation. A request freed without `mark_computed` since its last allocation caches nothing
-    of that step."""
+    """add / lookup / batched allocate (hits claimed, prefill chunks, decodes) / mark computed / free / preempt /
+    device loops through the facade; the device state (block ids, prefix-cache index included) equals the model
+    after every allocation. A request freed without `mark_computed` since its last allocation caches nothing
+    of that step. A device loop (`hand_over`, `hand_back`) is, in the model, an allocation of lookahead slots
+    (after a rollback of the request's unused slots of an earlier loop, where its next call settles it)."""
     mgr = manager(cfg, debug_checks=data.draw(st.booleans(), label="debug_checks"), backend=backend)
     model = ModelState(cfg, 3, mgr.prefix_config)
     running: list[str] = []  # admission order
     tokens: dict[str, list[int]] = {}
     shared: dict[str, int] = {}  # the shared length of each request's last lookup (0: none since it was added)
     written: dict[str, int] = {}  # tokens whose step is known to have run (mark_computed, or a later call)
+    unused: dict[str, int] = {}  # the requests of the last device loop and their slots it did not use
+    state_blocks = {g.block_size for g in cfg.groups if g.kind == "mamba"}
     next_id = 0
+
+    def settle(rids):  # the manager's allocation of no tokens after a loop: the unused slots go back
+        slots = mgr.slots_of(rids).tolist()
+        for rid in rids:
+            model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
+        model.roll_back(slots, [unused.pop(rid) for rid in rids])
+        assert all(model.allocate(slots, [0] * len(slots), None, [0] * len(slots)))
+
     for _ in range(data.draw(st.integers(1, 20), label="num_ops")):
-        ops = ["add", "allocate", "allocate", "append", "mark", "free", "preempt"]
+        ops = ["add", "allocate", "allocate", "append", "mark", "free", "preempt", "loop", "loop"]
         op = data.draw(st.sampled_from(ops), label="op")
+        if unused and op not in ("add", "loop"):  # any call that reads or changes the state settles them first
+            settle(list(unused))
         if op == "add" and mgr.num_requests < 3:
             rid = f"r{next_id}"
             next_id += 1
@@ -251,6 +265,41 @@ def test_random_use_matches_model(backend, cfg, data):
             for rid, slot in zip(rids, slots):
                 for g, ids in enumerate(mgr.get_block_ids(rid)):
                     assert list(ids) == model.tables[g][slot][: len(ids)]
+        elif op == "loop" and running:
+            if not unused:  # requests whose tokens are all computed decode: their sampled token first
+                for rid in running:
+                    if 0 < mgr.num_computed_tokens(rid) == mgr.num_tokens(rid) < 16:
+                        mgr.append_token_ids(rid, [7])
+                        tokens[rid].append(7)
+                        written[rid] = mgr.num_computed_tokens(rid)
+            rids = [rid for rid in running if 0 < mgr.num_computed_tokens(rid) == mgr.num_tokens(rid) - 1]
+            if unused and set(unused) - set(rids):  # a loop over other requests settles them first
+                settle([rid for rid in unused if rid not in rids])
+            wanted = [data.draw(st.integers(0, 6), label="wanted") for _ in rids]
+            slots = mgr.slots_of(rids).tolist()
+            n = np.array([mgr.num_computed_tokens(rid) for rid in rids], np.int64)
+            reserved = reservation(16, state_blocks, n, np.array(wanted, np.int64)).tolist()
+            loop = mgr.hand_over(rids, wanted)
+            copies = mgr.take_block_copies()
+            assert not len(copies)  # hits end at block ends: no copies
+            for rid in rids:
+                model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
+                written[rid] = mgr.num_computed_tokens(rid)
+            model.roll_back(slots, [unused.pop(rid, 0) for rid in rids])
+            zeros = [0] * len(rids)
+            ok = model.allocate(slots, zeros, None, zeros, num_lookahead_tokens=reserved)
+            assert (loop is not None) == all(ok)
+            if loop is None:  # the rows that fit give their slots back at once
+                model.roll_back(slots, [r if fits else 0 for r, fits in zip(reserved, ok)])
+                assert all(model.allocate(slots, zeros, None, zeros))
+            else:
+                assert np.asarray(loop.num_reserved).tolist() == reserved
+                produced = [[5] * data.draw(st.integers(0, r), label="computed_in_loop") for r in reserved]
+                mgr.hand_back(rids, produced)
+                for rid, r, new in zip(rids, reserved, produced):
+                    tokens[rid] += new
+                    written[rid] += len(new)
+                    unused[rid] = r - len(new)
         elif op == "append" and running:  # sampled tokens, or a prompt that grows: the last step ran
             rid = data.draw(st.sampled_from(running), label="append_to")
             room = 16 - mgr.num_tokens(rid)
@@ -277,6 +326,8 @@ def test_random_use_matches_model(backend, cfg, data):
                     mgr.add_request(rid, tokens[rid])
                     shared[rid] = 0
                     running.append(rid)
+    if unused:
+        settle(list(unused))
     check_invariants(cfg, mgr.state)  # reading the state stores the pending keys
     for rid in running:
         model.set_hashes(int(mgr.slots_of([rid])[0]), prompt_unit_hashes(tokens[rid], 2))
@@ -487,3 +538,91 @@ def test_requests_shorter_than_one_unit_never_hit():
     assert mgr.get_computed_tokens("b") == 0
     assert mgr.allocate_slots("b", 5)
     check_invariants(cfg, mgr.state, mgr.prefix_config)
+
+
+def test_a_device_loop_gets_its_rows_and_gives_back_what_it_computed():
+    """`hand_over` reserves a decoding request's next tokens and hands over its tables and counts; `hand_back`
+    counts what the loop computed, gives the rest back and indexes what it filled, as an allocation of no
+    tokens. Both engines end equal, block for block; the host steps of the same tokens, then an allocation of
+    none, hold as many blocks at the same entries and give the same hits (which blocks: the reservation took
+    them in another order). The manager refuses other calls in between."""
+    twins = [KVCacheManager(ATTENTION_CFG, max_num_seqs=3, backend=b, debug_checks=True) for b in ("jax", "host")]
+    stepped = KVCacheManager(ATTENTION_CFG, max_num_seqs=3, debug_checks=True)  # one host step per token
+    for mgr in (*twins, stepped):
+        mgr.add_request("a", [1, 2, 3, 4, 5])
+        assert mgr.allocate_slots("a", 5)  # blocks 0-2 of each group
+        mgr.append_token_ids("a", [6])  # the token its prefill sampled: a decoding request
+    for mgr in twins:
+        rows = mgr.hand_over(["a"], [4], num_rows=3)
+        # Positions 5-8 (blocks 2-4); the tables' 5 entries rounded up to 8 (a power of two, the whole width).
+        assert np.asarray(rows.num_reserved).tolist() == [4, 0, 0]
+        assert np.asarray(rows.req_slots).tolist() == [0, 3, 3]  # padding rows: 3
+        assert np.asarray(rows.state.num_computed).tolist() == [5, 0, 0]
+        tables = np.asarray(rows.state.block_tables)
+        assert tables.shape == (2, 3, 8) and (tables[:, 1:] == NULL_BLOCK).all()
+        assert (tables[0, 0, :5] != NULL_BLOCK).all() and (tables[0, 0, 5:] == NULL_BLOCK).all()
+        with pytest.raises(ValueError, match="hand_over"):
+            mgr.allocate_slots("a", 1)
+        mgr.add_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # requests still arrive
+        mgr.hand_back(["a"], [[7, 8]])  # it computed positions 5 and 6: the block of position 8 goes back
+    for tokens in ([7], [8]):
+        assert stepped.allocate_slots("a", 1)
+        stepped.append_token_ids("a", tokens)
+    assert stepped.allocate_slots("a", 0)  # releases the window's block 1 (7 computed tokens)
+    stepped.add_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    for mgr in twins:
+        assert (mgr.num_computed_tokens("a"), mgr.num_tokens("a")) == (7, 8)
+        held = [[block != NULL_BLOCK for block in group] for group in mgr.get_block_ids("a")]
+        assert held == [[block != NULL_BLOCK for block in group] for group in stepped.get_block_ids("a")]
+        assert mgr.num_free_blocks == stepped.num_free_blocks
+        assert mgr.get_computed_tokens("b") == stepped.get_computed_tokens("b") == 6  # blocks the loop filled
+    assert_same_state(*(mgr.state for mgr in twins))
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_a_device_loop_that_does_not_fit_reserves_nothing(backend):
+    twins = [KVCacheManager(ATTENTION_CFG, max_num_seqs=3, backend=backend, debug_checks=True) for _ in "ab"]
+    for mgr in twins:
+        mgr.add_request("a", [1, 2, 3, 4, 5])
+        mgr.add_request("b", [9, 8, 7, 6, 5])
+        assert mgr.allocate_slots_batch(["a", "b"], [5, 5]).all()  # 12 of the 15 blocks
+        mgr.append_token_ids_batch(["a", "b"], [[6], [6]])
+    looped, stepped = twins
+    assert looped.hand_over(["a", "b"], [10, 10]) is None  # 10 more tokens: 5 + 4 more blocks each
+    # What any allocation does, even one that fails: the blocks behind the window go back.
+    assert stepped.allocate_slots_batch(["a", "b"], [0, 0]).all()
+    for mgr in twins:
+        assert mgr.allocate_slots_batch(["a", "b"], [1, 1]).all()  # the host steps go on
+    assert [looped.get_block_ids(rid) for rid in "ab"] == [stepped.get_block_ids(rid) for rid in "ab"]
+    assert looped.num_free_blocks == stepped.num_free_blocks
+    assert_same_state(looped.state, stepped.state)
+
+
+def test_a_device_loop_takes_decoding_requests_and_stops_at_state_block_ends():
+    mgr = KVCacheManager(CFG, max_num_seqs=3, debug_checks=True)  # block 2, a state group
+    mgr.add_request("a", [1, 2, 3, 4, 5])
+    assert mgr.allocate_slots("a", 3)
+    with pytest.raises(ValueError, match="one token not computed"):
+        mgr.hand_over(["a"], [3])  # two tokens of its prompt wait
+    assert mgr.allocate_slots("a", 2)
+    mgr.append_token_ids("a", [6])
+    rows = mgr.hand_over(["a"], [3])
+    assert np.asarray(rows.num_reserved).tolist() == [1]  # 5 computed: position 5 ends its state block
+    with pytest.raises(ValueError, match="1 slots"):
+        mgr.hand_back(["a"], [[7, 8]])
+    mgr.hand_back(["a"], [[7]])
+    assert np.asarray(mgr.hand_over(["a"], [3]).num_reserved).tolist() == [2]  # from 6: a whole block
+    mgr.hand_back(["a"], [[]])  # nothing computed: both slots go back
+    assert mgr.num_computed_tokens("a") == 6
+    rows = mgr.hand_over(["a"], [16])
+    assert np.asarray(rows.num_reserved).tolist() == [2]
+    with pytest.raises(ValueError, match="hand_back takes the requests"):
+        mgr.hand_back(["b"], [[1]])
+    mgr.hand_back(["a"], [[1, 2]])
+    with pytest.raises(ValueError, match="without hand_over"):
+        mgr.hand_back(["a"], [[1]])
+    mgr.free("a")
+    mgr.add_request("long", list(range(1, 15)))
+    assert mgr.allocate_slots("long", 14)  # 7 + 7 + 1 blocks: the whole pool
+    mgr.append_token_ids("long", [15])  # 15 of max_model_len 16 tokens: it may produce one more
+    assert np.asarray(mgr.hand_over(["long"], [4]).num_reserved).tolist() == [1]

@@ -18,4 +18,5 @@ def test_readme_example_runs(capsys):
     assert "KV cache size:" in capsys.readouterr().out
     assert namespace["out"].shape == (128, 4, 64)
     assert np.isfinite(np.asarray(namespace["out"])).all()
-    assert namespace["mgr"].num_computed_tokens("a") == 100
+    assert namespace["mgr"].num_computed_tokens("a") == 103  # 100, then 3 in the device loop
+    assert np.asarray(namespace["loop"].num_reserved).tolist() == [8]

@@ -284,6 +284,22 @@ class HostState:
             self.num_passes += 1
         return num_ok, num_hit
 
+    def reserve_checked(self, slots, wanted, req_counts, max_model_len) -> tuple[int, np.ndarray]:
+        """A device loop's reservation where `compiled` (`host_step.reserve_checked`): int64[R] slots and wanted
+        tokens; `req_counts`: the manager's int64[S] computed, written, total and pending tokens. Returns (rows
+        that succeed, int64[R] the slots reserved for each), or (-1, ...) with nothing changed where a row is
+        invalid or has a rollback pending."""
+        reserved = np.zeros(len(slots), np.int64)
+        num_ok, self.num_free = host_step.reserve_checked(
+            slots, wanted, *req_counts, max_model_len, reserved, self._rules, self.windowed, self.unit,
+            self.num_free, self.tables, self.first_live, self.num_computed, self.num_cached, self.shared_len,
+            self.num_hashed, self.keys, self.num_passes + 1, self.ways, self.slots, self.block_slot, self.group_of,
+            self.cached_in_pass, self.ref, self.nxt, self.prv, self.quiet_start, self.quiet_done,
+        )  # fmt: skip
+        if num_ok >= 0:  # the pass ran
+            self.num_passes += 1
+        return num_ok, reserved
+
     def _allocate_rows(self, slots, num_new_tokens, parts) -> tuple[np.ndarray, int, dict]:
         """`allocate` of every given row; `parts`: its optional arguments after `num_new_tokens`, in order."""
         num_full_tokens, num_hit_tokens, num_prompt_tokens, num_shared_tokens, num_lookahead_tokens = parts

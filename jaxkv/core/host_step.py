@@ -18,9 +18,9 @@ A row within its quiet bounds (`_set_quiet`, found after each allocation that ru
 releases and indexes nothing: it skips every phase and only advances its count.
 
 A manager's calls on such configs are one compiled call each, its checks and the manager's per-request
-counts included: `allocate_checked`, `free_checked`, and (for every host config) `append_checked` with
-`append_keys`. Each returns a refusal and changes nothing where the call is invalid; the manager's general
-path then names what is wrong.
+counts included: `allocate_checked`, `reserve_checked` (a device loop's slots), `free_checked`, and (for every
+host config) `append_checked` with `append_keys`. Each returns a refusal and changes nothing where the call is
+invalid; the manager's general path then names what is wrong.
 
 `rules`: int64[7, G], rows block size, max blocks per request, `keep_from_idx`'s (offset, unit, scale, div)
 and units per block; `windowed`: bool[G], sliding or chunked groups. A function comes before those that call
@@ -318,6 +318,47 @@ def allocate_checked(
         req_computed[s] += new[i] + hits[i]
         req_written[s] += hits[i]  # claimed hits hold cached content
     return num_ok, num_hit, num_free
+
+
+@_jit(
+    "UniTuple(int64, 2)(int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64,"
+    " int64[::1],"  # rows' wanted tokens; the manager's counts (computed, written, tokens, pending), max len; out
+    " int64[:, ::1], boolean[::1], int64, int64,"
+    " int32[:, :, ::1], int64[:, ::1], int64[::1], int64[:, ::1], int64[::1], int64[::1], uint32[:, :, ::1],"
+    f" int32, int64, {_INDEX}, {_POOL}, int64[::1], int64[::1])"
+)
+def reserve_checked(
+    slots_of, wanted, req_computed, req_written, req_tokens, req_pending, max_model_len, reserved,
+    rules, windowed, unit, num_free,
+    tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
+    pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, quiet_start, quiet_done,
+):  # fmt: skip
+    """A device loop's reservation (`jaxkv.manager.KVCacheManager.hand_over`) of int64[R] rows of decoding
+    requests (one token not computed) wanting `wanted` tokens, with the manager's per-request counts by slot:
+    `reserved` gets each row's slots (its wanted tokens, at most the tokens it may still produce), taken as
+    lookahead slots by one `allocate`; the rows that succeed count them as pending rollback. Returns (rows that
+    succeed, num_free), or (-1, num_free) and changes nothing where a slot comes twice, a row is not decoding
+    or a row still has a rollback pending (the general path rolls it back first). The counts were checked."""
+    num_rows = slots_of.shape[0]
+    if _repeats(slots_of, req_computed.shape[0]):
+        return -1, num_free
+    for i in range(num_rows):
+        s = slots_of[i]
+        if req_tokens[s] - req_computed[s] != 1 or req_pending[s] != 0:
+            return -1, num_free
+    for i in range(num_rows):
+        s = slots_of[i]
+        reserved[i] = min(wanted[i], max_model_len - req_computed[s] - 1)
+        req_written[s] = req_computed[s]  # the rows' last steps ran: they sampled the tokens not computed
+    zeros = np.zeros(num_rows, np.int64)
+    num_ok, _, num_free = allocate(
+        slots_of, reserved, reserved, zeros, zeros, zeros, False, rules, windowed, unit, num_free,
+        tables, first_live, num_computed, num_cached, shared_len, num_hashed, keys,
+        pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv, quiet_start, quiet_done,
+    )  # fmt: skip
+    for i in range(num_ok):
+        req_pending[slots_of[i]] += reserved[i]
+    return num_ok, num_free
 
 
 @_jit(

@@ -304,16 +304,12 @@ def rollback_ranges(num_computed, num_rejected, first_live, rules: GroupRules, x
 
 
 def roll_back(state: ManagerState, batch: StepBatch, ctx: _Context):
-    """Rows with rejected tokens drop them: the count falls to the verified tokens and the attention
-    entries past them are released (tail first). Returns (state, unplanned)."""
+    """Rows with rejected tokens drop them: the count falls to the verified tokens and the entries past
+    them are released (tail first). Returns (state, unplanned). A state group's rolled back tokens must
+    not have run (slots reserved for a device loop that it did not use): a token that ran overwrote the
+    verified state, and a request keeps one state (so the manager refuses speculative decoding there)."""
     if batch.num_rejected_tokens is None:
         return state, jnp.int32(0)
-    if (ctx.rules.kind == MAMBA).any():
-        raise ValueError(
-            "num_rejected_tokens given, but the config has state (Mamba / linear-attention) groups: a "
-            "rejected draft's state overwrote the verified one, and jaxkv keeps one state per request; "
-            "serve such models without speculative decoding"
-        )
     row, slots, scatter_slots = _rows(state, batch.req_slots)
     n = jnp.where(row, state.num_computed[slots], 0)[:, None]
     rejected = jnp.where(row, batch.num_rejected_tokens, 0)[:, None]

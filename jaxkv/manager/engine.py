@@ -82,6 +82,12 @@ class Engine(Protocol):
         int32[C, 3]. Rolls back the rows' `pending_reject` first and releases pins of taken copies from the front
         of `release` (deleting those it released). The manager advances the counts after it."""
 
+    def reserve_fast(self, slots: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """A device loop's reservation (`KVCacheManager.hand_over`) in one compiled call, its checks and the
+        counts' updates included: (ok bool[R], the slots reserved int64[R]); None, with nothing changed, where
+        the engine has no such call for it or a row is invalid or has a rollback pending (the manager's general
+        path then rolls back, or names what is wrong)."""
+
     def free_fast(self, slots: np.ndarray) -> bool:
         """A whole free call in one compiled call, its counts zeroed; False, with nothing changed, where the
         engine has no such call for it or a slot comes twice."""
@@ -92,6 +98,9 @@ class Engine(Protocol):
 
     def block_table(self, slot: int) -> np.ndarray:
         """int32[G, M]: the slot's block tables."""
+
+    def rows_tables(self, slots: np.ndarray, width: int):
+        """int32[G, R, width]: the slots' block tables, their first `width` entries."""
 
     def tables_state(self) -> ManagerState:
         """A ManagerState holding at least the block tables and counts (what the model-facing reads take)."""

@@ -20,6 +20,9 @@ from jaxkv.manager.engine import RequestCounts
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.prefix.state import PrefixCacheConfig, partial_groups
 
+_NO_COPIES = np.zeros((0, 3), np.int32)
+_NO_COPIES.flags.writeable = False
+
 
 class HostEngine:
     """The `jaxkv.manager.engine.Engine` over a `HostState`: every call applies at once (nothing is deferred)
@@ -84,19 +87,33 @@ class HostEngine:
             host.release_copies(release)
             release.clear()
         caching = self.prefix is not None
-        num_computed = counts.num_computed[slots]
+        first = counts.num_computed[slots] == 0  # a first call records the last lookup's shared length
         ok, num_hit, copies = host.allocate(
             slots,
             num_new,
             full if full.any() else None,
             hits if caching else None,
             counts.num_prompt[slots] if self._tails else None,
-            np.where(num_computed == 0, counts.shared_len[slots], 0) if caching else None,
+            np.where(first, counts.shared_len[slots], 0) if caching and first.any() else None,
             lookahead if lookahead.any() else None,
         )
-        made = np.array([copies[key] for key in sorted(copies)], np.int32).reshape(-1, 3)
+        made = _NO_COPIES
+        if copies:
+            made = np.array([copies[key] for key in sorted(copies)], np.int32).reshape(-1, 3)
         self.check()
         return ok, num_hit, made
+
+    def reserve_fast(self, slots: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self.checks_counts:
+            return None
+        c = self.counts
+        num_ok, reserved = self._host.reserve_checked(
+            slots, wanted, (c.num_computed, c.num_written, c.num_tokens, c.pending_reject), self.cfg.max_model_len
+        )
+        if num_ok < 0:
+            return None
+        self.check()
+        return np.arange(len(slots)) < num_ok, reserved
 
     def free_fast(self, slots: np.ndarray) -> bool:
         if not self.checks_counts or not self._host.free_checked(slots, self._req_counts[:3]):
@@ -110,6 +127,9 @@ class HostEngine:
 
     def block_table(self, slot: int) -> np.ndarray:
         return self._host.tables[:, slot, :]
+
+    def rows_tables(self, slots: np.ndarray, width: int) -> np.ndarray:
+        return self._host.tables[:, slots, :width]
 
     def tables_state(self) -> st.ManagerState:
         return st.ManagerState(

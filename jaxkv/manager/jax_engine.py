@@ -262,6 +262,9 @@ class JaxEngine:
     def allocate_fast(self, slots, num_new, hits, must_fit) -> None:
         return None
 
+    def reserve_fast(self, slots, wanted) -> None:
+        return None
+
     def allocate(self, slots, num_new, hits, full, lookahead, release: list[int]) -> tuple[np.ndarray, int, np.ndarray]:
         counts = self.counts
         no_copies = np.zeros((0, 3), np.int32)
@@ -486,6 +489,9 @@ class JaxEngine:
     # ---- reading and handing over -----------------------------------------------------------
     def block_table(self, slot: int) -> np.ndarray:
         return np.asarray(jax.device_get(self.to_state().block_tables[:, slot, :]))
+
+    def rows_tables(self, slots: np.ndarray, width: int) -> np.ndarray:
+        return np.asarray(jax.device_get(st.block_tables(self.to_state(), slots)))[:, :, :width]
 
     def tables_state(self) -> st.ManagerState:
         return self.to_state()

@@ -30,6 +30,7 @@ import numpy as np
 from jaxkv import validation
 from jaxkv.core import state as st
 from jaxkv.core.step import StepWork
+from jaxkv.manager.device_loop import LoopRows, loop_rows, reservation, table_width
 from jaxkv.manager.engine import Engine
 from jaxkv.manager.requests import Requests
 from jaxkv.metadata import StepMetadata, step_metadata
@@ -125,10 +126,13 @@ class KVCacheManager:
             debug_checks=debug_checks,
         )  # fmt: skip
         self._taken = False  # the state was handed over (take_state)
+        self._loop: tuple[list, np.ndarray, np.ndarray] | None = None  # a device loop's ids, slots, reservations
+        self._unsettled: tuple[list, np.ndarray] | None = None  # the ids and slots of a loop that ended (`_ready`)
         self._copies: list[np.ndarray] = []  # block copies not taken yet: int32[., 3]
         self._release: list[int] = []  # destinations of copies taken, their pins not released yet
         self.prefix_stats = dict.fromkeys(PREFIX_STATS, 0)
         self._block_sizes = tuple(g.block_size for g in cfg.groups)
+        self._state_block_sizes = tuple({g.block_size for g in cfg.groups if g.kind == "mamba"})
 
     @property
     def step_variants(self) -> dict[StepWork, int]:
@@ -171,7 +175,7 @@ class KVCacheManager:
 
     def get_computed_tokens_batch(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """`get_computed_tokens` for many requests, in one engine call: int64[R]."""
-        self._check_held()
+        self._ready()
         slots = self._requests.slots(request_ids)
         if self.prefix_config is None or not len(slots):
             return np.zeros(len(slots), np.int64)
@@ -180,10 +184,24 @@ class KVCacheManager:
             self.prefix_stats[name] += value
         return hits
 
+    def _ready(self) -> None:
+        """`_check_held`, then the rows of a device loop that ended (`hand_back`) are settled: every call that
+        reads or changes the state sees what an allocation after the loop would leave."""
+        self._check_held()
+        if self._unsettled is not None:
+            request_ids, slots = self._unsettled
+            self._unsettled = None
+            self._settle(request_ids, slots)
+
     def _check_held(self) -> None:
         """Raises if the state was handed over (`take_state`): every call that reads or changes it waits."""
         if self._taken:
             raise ValueError("the state was handed over (take_state); give it back with adopt_state first")
+        if self._loop is not None:
+            raise ValueError(
+                f"a device loop holds requests {validation.short(self._loop[0])} (hand_over); end it with "
+                "hand_back first"
+            )
 
     def append_token_ids(self, request_id: Hashable, new_token_ids: Sequence[int]) -> None:
         """Records tokens the model produced for the request: the step that produced them ran, so
@@ -193,8 +211,11 @@ class KVCacheManager:
     def append_token_ids_batch(self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]) -> None:
         """`append_token_ids` for many requests (a step's sampled tokens). With prefix caching, per request one
         list extend, and only the requests that complete a hash unit are hashed; without, only counts change."""
-        self._check_held()
-        slots, counts, keys = self._requests.append(request_ids, new_token_ids)
+        self._ready()
+        self._append(request_ids, new_token_ids)
+
+    def _append(self, request_ids, new_token_ids, lengths=None) -> None:
+        slots, counts, keys = self._requests.append(request_ids, new_token_ids, lengths)
         if len(slots):  # the units the new tokens complete: their keys go to the engine at once
             self._engine.append_keys(slots, counts, keys)
 
@@ -250,7 +271,7 @@ class KVCacheManager:
         and appended, per group capped at what one request can hold) fit: vLLM's
         admission gate.
         """
-        self._check_held()
+        self._ready()
         slots = self._requests.known_slots(request_ids)
         fast = self._engine.checks_counts and slots is not None  # its compiled call checks the counts' range
         num_new = validation.counts(request_ids, num_new_tokens, "num_new_tokens", check_range=not fast)
@@ -312,7 +333,7 @@ class KVCacheManager:
 
     def reject_tokens_batch(self, request_ids: Sequence[Hashable], num_rejected_tokens: Sequence[int]) -> None:
         """`reject_tokens` for many requests (a step's verification outcome)."""
-        self._check_held()
+        self._ready()
         slots = self._requests.slots(request_ids)
         rejected = validation.counts(request_ids, num_rejected_tokens, "num_rejected_tokens")
         c = self._counts
@@ -362,7 +383,7 @@ class KVCacheManager:
         step findable: the states that step would have saved are not indexed, and the attention blocks
         its allocation indexed (vLLM's rule: findable once scheduled) leave the index.
         """
-        self._check_held()
+        self._ready()
         c = self._counts
         if request_ids is None:
             c.num_written[:] = c.num_computed
@@ -380,7 +401,7 @@ class KVCacheManager:
 
     def free_batch(self, request_ids: Sequence[Hashable]) -> None:
         """`free` for many requests; blocks go back in request order."""
-        self._check_held()
+        self._ready()
         slots = self._requests.known_slots(request_ids)
         if slots is None or not self._engine.free_fast(slots):  # the general path names an error
             slots = self._requests.slots(request_ids)
@@ -396,7 +417,7 @@ class KVCacheManager:
     # ---- reading ---------------------------------------------------------------------------
     def get_block_ids(self, request_id: Hashable) -> tuple[tuple[int, ...], ...]:
         """Per group, the block ids the request was given, NULL_BLOCK where the group no longer needs one."""
-        self._check_held()
+        self._ready()
         slot = self._requests.slot(request_id)
         n = int(self._counts.num_computed[slot])
         rows = self._engine.block_table(slot)
@@ -405,7 +426,7 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: free plus evictable cached ones, the null block excluded."""
-        self._check_held()
+        self._ready()
         return self._engine.num_free_blocks
 
     @property
@@ -418,7 +439,7 @@ class KVCacheManager:
         step): the jitted engine's own, its deferred work applied first, or the host engine's converted.
         Pass `prefix=mgr.prefix_config` to the transitions.
         """
-        self._check_held()
+        self._ready()
         return self._engine.to_state()
 
     def take_state(self) -> st.ManagerState:
@@ -475,6 +496,117 @@ class KVCacheManager:
         self._release.extend(pinned)
         self._engine.check()
 
+    def hand_over(
+        self, request_ids: Sequence[Hashable], num_tokens: Sequence[int], *, num_rows: int | None = None
+    ) -> LoopRows | None:
+        """Reserves slots for a device loop of decode steps and hands over what it reads: for each decoding
+        request (one token not computed yet), slots for its next `num_tokens[i]` tokens (the one it computes
+        next, then those the loop samples or drafts; fewer where it would produce more than `max_model_len`
+        tokens, and with state groups past the end of its state block), in one allocation, as vLLM's
+        multi-step scheduler reserved lookahead slots.
+
+        Returns the requests' tables and counts (`jaxkv.manager.device_loop.LoopRows`, rows in this order,
+        padded to `num_rows`, default R; numpy arrays, which the loop's call moves to its device), or None,
+        with nothing reserved, if not all of them fit (blocks behind windows may have been released, as by
+        any allocation). Apply the block copies it made (`take_block_copies`) before the loop. Until
+        `hand_back`, every call that reads or changes the state raises (only `add_request` and reads of the
+        host's counts go on). The loop allocates nothing; it computes at most `num_reserved[i]` tokens of row
+        i, at positions from its computed count on."""
+        self._check_held()
+        slots = self._requests.known_slots(request_ids)
+        fast = self._engine.checks_counts and slots is not None
+        wanted = validation.counts(request_ids, num_tokens, "num_tokens")
+        num_rows = len(request_ids) if num_rows is None else validation.count(num_rows, "num_rows", minimum=1)
+        if len(request_ids) > num_rows:
+            raise ValueError(f"{num_rows=} cannot hold the {len(request_ids)} requests")
+        c = self._counts
+        num_computed = c.num_computed[slots] if fast else None
+        result = None
+        if fast:
+            self._settle_others(slots)
+            result = self._engine.reserve_fast(slots, wanted)
+        if result is not None:
+            ok, reserved = result
+        else:  # the general path; its errors name what is wrong
+            slots = self._requests.checked_slots(request_ids, slots)
+            num_computed = c.num_computed[slots]
+            waiting = c.num_tokens[slots] - num_computed != 1
+            if waiting.any():
+                i = int(np.flatnonzero(waiting)[0])
+                raise ValueError(
+                    f"request {request_ids[i]!r} has {c.num_tokens[slots][i]} tokens, {num_computed[i]} computed: "
+                    "a device loop takes decoding requests (one token not computed yet); schedule the rest on "
+                    "the host"
+                )
+            reserved = reservation(self.cfg.max_model_len, self._state_block_sizes, num_computed, wanted)
+            self._settle_others(slots)  # its own rows settle in its allocation, which rolls back and indexes first
+            zeros = np.zeros(len(slots), np.int64)
+            c.num_written[slots] = num_computed  # their last steps ran: they sampled the tokens not computed
+            ok, _, copies = self._engine.allocate(slots, zeros, zeros, zeros, reserved, self._release)
+            c.pending_reject[slots[ok]] += reserved[ok]  # the engine counts them; `hand_back` gives the rest back
+            if len(copies):
+                self._copies.append(copies)
+        c.num_scheduled[slots] = 0
+        if not ok.all():
+            self._settle(request_ids, slots)
+            return None
+        end = int((num_computed + reserved).max(initial=1))
+        width = table_width(end, min(self._block_sizes), st.max_blocks_per_request(self.cfg))
+        rows = loop_rows(self._engine.rows_tables(slots, width), num_computed, reserved, num_rows)
+        self._loop = (list(request_ids), slots, reserved)
+        return rows
+
+    def hand_back(self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]) -> None:
+        """Ends the device loop `hand_over` reserved slots for: `new_token_ids[i]`, the tokens request i
+        produced in it (each computed position gave the next token, so its computed tokens grow by as many).
+        Appends them (as `append_token_ids_batch`) and counts them computed and written. The rest of the
+        reservation goes back and the blocks the loop filled become findable in one allocation of no tokens,
+        made by the next call that reads or changes the state, or within the next `hand_over`'s allocation
+        (back-to-back loops over the same requests make one allocation each)."""
+        if self._loop is None:
+            raise ValueError("hand_back without hand_over: no device loop holds requests")
+        ids, slots, reserved = self._loop
+        if list(request_ids) != ids:
+            raise ValueError(
+                f"hand_back takes the requests of the hand_over, in its order: {validation.short(ids)}, "
+                f"not {validation.short(request_ids)}"
+            )
+        num_new = validation.token_lists(request_ids, new_token_ids, "new_token_ids")
+        over = num_new > reserved
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(
+                f"{num_new[i]} new tokens for request {request_ids[i]!r}: the loop had {reserved[i]} slots for it "
+                "(each token it produced is one it computed)"
+            )
+        c = self._counts
+        self._loop = None
+        self._append(request_ids, new_token_ids, num_new)
+        c.num_computed[slots] += num_new
+        c.num_written[slots] = c.num_computed[slots]  # the loop ran each step
+        c.pending_reject[slots] -= num_new
+        self._unsettled = (ids, slots)
+
+    def _settle_others(self, slots) -> None:
+        """Settles the rows of a device loop that ended (`hand_back`), except `slots` (int[R]): a reservation for
+        them settles them in its own allocation."""
+        if self._unsettled is None:
+            return
+        ended, ended_slots = self._unsettled
+        self._unsettled = None
+        if len(ended_slots) == len(slots) and (ended_slots == slots).all():
+            return
+        others = ~np.isin(ended_slots, slots)
+        if others.any():
+            self._settle([rid for rid, other in zip(ended, others) if other], ended_slots[others])
+
+    def _settle(self, request_ids, slots) -> None:
+        """An allocation of no tokens for the rows: rolls back their unused reservations (and releases blocks
+        behind windows), indexes the blocks their computed tokens filled."""
+        zeros = np.zeros(len(slots), np.int64)
+        self._allocate_checked(request_ids, slots, zeros, zeros, np.zeros(len(slots), bool), zeros)
+        self._counts.num_scheduled[slots] = 0
+
     def slots_of(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """int32[R]: the state slot of each request."""
         return self._requests.slots(request_ids)
@@ -483,7 +615,7 @@ class KVCacheManager:
         """int32[G, R, M] on device: the requests' block tables as the attention kernels take them.
 
         Raises if block copies were not taken (`take_block_copies`)."""
-        self._check_held()
+        self._ready()
         self._check_copies_taken()
         return st.block_tables(self._engine.tables_state(), self._requests.slots(request_ids))
 
@@ -502,7 +634,7 @@ class KVCacheManager:
     def _step_rows(self, request_ids, num_new_tokens, num_tokens) -> tuple[np.ndarray, np.ndarray]:
         """The slots and the checked new-token counts of a step's metadata: each count at most what the
         request's last allocation scheduled (its verified drafts included), all of them within `num_tokens`."""
-        self._check_held()
+        self._ready()
         self._check_copies_taken()
         slots = self._requests.slots(request_ids)
         return slots, validation.step_counts(request_ids, num_new_tokens, self._counts.num_scheduled[slots], num_tokens)
@@ -549,5 +681,5 @@ class KVCacheManager:
         run's `step_variants`), for every row count and with and without pending frees, as far as
         `jaxkv.manager.jax_engine.MAX_PROGRAMS` allows; other signatures compile on first use (set JAX's
         persistent compilation cache to keep them across runs), lookups per key width on first use."""
-        self._check_held()
+        self._ready()
         self._engine.warm_up(variants)

@@ -95,13 +95,15 @@ class Requests:
         return slot, hasher.keys
 
     def append(
-        self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]]
+        self, request_ids: Sequence[Hashable], new_token_ids: Sequence[Sequence[int]], lengths: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Checks and records tokens the model produced (see `KVCacheManager.append_token_ids_batch`): what was
         computed counts as written, and the units they complete are hashed. Returns the slots with new unit
-        keys int64[K], how many each has int64[K], and the keys uint32[sum, 4] in slot order."""
+        keys int64[K], how many each has int64[K], and the keys uint32[sum, 4] in slot order. `lengths`:
+        int64[R] the lists' lengths where `validation.token_lists` already checked them."""
         slots = self.known_slots(request_ids)
-        lengths = validation.token_lists(request_ids, new_token_ids, "new_token_ids")
+        if lengths is None:
+            lengths = validation.token_lists(request_ids, new_token_ids, "new_token_ids")
         c = self.counts
         unit = self.prefix.unit if self.prefix is not None else self.max_model_len + 1
         to_hash = None

@@ -11,6 +11,7 @@ from model_reference import ModelState
 from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv.core.host import HostState, ints_to_keys
+from jaxkv.manager.device_loop import reservation
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.hashing import prompt_unit_hashes
 from jaxkv.prefix.index import IndexState, check_index
@@ -62,7 +63,7 @@ def assert_host_matches(host: HostState, model: ModelState) -> None:
     assert [host.unit_keys(s).tolist() for s in range(NUM_SLOTS)] == [[list(k) for k in h] for h in model.hashes]
 
 
-def run_lock_step(data, cfg, unit, caching=True, speculate=False):
+def run_lock_step(data, cfg, unit, caching=True, speculate=False, loops=False):
     prefix = PrefixCacheConfig.for_config(cfg, unit) if caching else None
     host, model = HostState(cfg, NUM_SLOTS, prefix), ModelState(cfg, NUM_SLOTS, prefix)
     live: dict[int, list[int]] = {}  # slot -> tokens, in admission order
@@ -82,7 +83,9 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False):
         assert looked_up[slot] == model.lookup(keys, len(live[slot]), eagle)
 
     for _ in range(data.draw(st.integers(1, 40), label="num_ops")):
-        op = data.draw(st.sampled_from(["add", "allocate", "allocate", "allocate", "free", "preempt"]))
+        op = data.draw(
+            st.sampled_from(["add", "allocate", "allocate", "allocate", "free", "preempt"] + ["loop"] * loops)
+        )
         if op == "add" and len(live) < NUM_SLOTS:
             base = data.draw(st.sampled_from(PREFIXES), label="prefix")
             tokens = list(base[: data.draw(st.integers(0, len(base)), label="shared")])
@@ -146,6 +149,45 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False):
                     accepted = data.draw(st.integers(0, drafts[slot]), label="accepted")
                     live[slot] += [80] * accepted
                     rejected[slot] = drafts[slot] - accepted
+        elif op == "loop" and live:
+            # A device loop (`KVCacheManager.hand_over`): decoding rows reserve slots for the loop's tokens
+            # (lookahead slots), which computes some of them; the rest roll back at the row's next allocation.
+            slots = [s for s in live if s not in rejected and 0 < model.num_computed[s] >= len(live[s]) - 1]
+            slots = [s for s in slots if len(live[s]) < max_len and data.draw(st.booleans(), label="in_loop")]
+            for slot in slots:
+                if model.num_computed[slot] == len(live[slot]):
+                    live[slot].append(data.draw(st.integers(70, 72), label="decoded"))
+            n = np.array([model.num_computed[s] for s in slots], np.int64)
+            wanted = np.array([data.draw(st.integers(0, 6), label="wanted") for _ in slots], np.int64)
+            state_blocks = {g.block_size for g in cfg.groups if g.kind == "mamba"}
+            reserved = reservation(cfg.max_model_len, state_blocks, n, wanted).tolist()
+            for slot in slots if caching else ():
+                keys = keys_of(live[slot])
+                if len(keys) != host.num_hashed[slot]:
+                    host.set_keys(slot, keys)
+                model.set_hashes(slot, keys)
+            zeros = [0] * len(slots) if caching else None
+            given = (slots, [0] * len(slots), None, zeros, [prompt_len[s] for s in slots], zeros, reserved)
+            if host.compiled:  # the manager's compiled reservation, its checks and counts included
+                counts = np.zeros((4, NUM_SLOTS), np.int64)  # computed, written, tokens, pending rollback
+                counts[0] = host.num_computed
+                counts[2, list(live)] = [len(tokens) for tokens in live.values()]
+                num_ok, got = host.reserve_checked(np.array(slots, np.int64), wanted, tuple(counts), max_len)
+                assert got.tolist() == reserved and counts[3, slots].tolist() == [
+                    r if i < num_ok else 0 for i, r in enumerate(reserved)
+                ]
+                ok = np.arange(len(slots)) < num_ok
+            else:
+                ok, _, copies = host.allocate(*given)
+            assert ok.tolist() == model.allocate(*given)
+            if caching and not host.compiled:
+                assert copies == model.last_copies
+                pending += [dst for _, dst, _ in copies.values()]
+            for slot, r, fits in zip(slots, reserved, ok):
+                if fits:  # the loop computes k of its r slots; each gives the next token
+                    k = data.draw(st.integers(0, r), label="computed_in_loop")
+                    live[slot] += [71] * k
+                    rejected[slot] = r - k
         elif op in ("free", "preempt") and live:
             slots = (
                 [list(live)[-1]]
@@ -171,14 +213,14 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_host_state_equals_the_model(case, data):
-    run_lock_step(data, *CASES[case])
+    run_lock_step(data, *CASES[case], loops=True)
 
 
 @pytest.mark.parametrize("case", ["full_sw", "all_kinds"])
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
 def test_host_state_without_prefix_caching_equals_the_model(case, data):
-    run_lock_step(data, *CASES[case], caching=False)
+    run_lock_step(data, *CASES[case], caching=False, loops=True)
 
 
 @pytest.mark.parametrize("case", SPECULATIVE)

@@ -9,7 +9,8 @@ reads and writes as `examples/qwen3_next.py` does (`state_blocks`): a request wi
 state at table index (n − 1) // b; a step of k tokens reads it there (nothing when n = 0), attention reads every
 position before n + k, and the step writes its K/V and, at (n + k − 1) // b, the state after its tokens. The block
 copies of hits inside a block (`take_block_copies`) are applied to the shadow before the step. Every state a
-request resumes from must be its own prefix's, after hits, preemptions, and steps of other requests that were
+request resumes from must be its own prefix's, after hits, preemptions, device loops (`hand_over`: decode steps
+through the tables it hands over, up to each request's reservation), and steps of other requests that were
 aborted (allocated, never run, freed without `mark_computed`).
 """
 
@@ -260,6 +261,37 @@ class Driver:
             guards = self.shadow.guards(tables, computed, self.tokens, index, self.prefix_of_key)
             self.shadow.step(tables, rows, guards)
 
+    def loop(self, rids, wanted, data):
+        """A device loop over decoding requests (`hand_over`, `hand_back`): each computes some of the tokens its
+        reservation has room for, one per step, from the tables the loop was handed; each gives the next token.
+        Every write is checked against what the other requests and the index hold when the loop starts."""
+        others = [rid for rid in self.running if rid not in rids]
+        tables = dict(zip(others, np.asarray(self.mgr.block_tables(others)).transpose(1, 0, 2))) if others else {}
+        computed = {rid: self.mgr.num_computed_tokens(rid) for rid in self.running}
+        rows = self.mgr.hand_over(rids, wanted)
+        self.shadow.copy(self.mgr.take_block_copies())
+        if rows is None:
+            return
+        reserved = np.asarray(rows.num_reserved)[: len(rids)].tolist()
+        tables.update(zip(rids, np.asarray(rows.state.block_tables).transpose(1, 0, 2)))
+        index = index_entries(self.mgr._engine.to_state().prefix.index)  # the manager's reads wait for hand_back
+        guards = self.shadow.guards(tables, computed, self.tokens, index, self.prefix_of_key)
+        num_steps = [data.draw(st.integers(0, r), label="computed_in_loop") for r in reserved]
+        produced = {rid: [] for rid in rids}
+        for step in range(max(num_steps, default=0)):
+            step_rows = [
+                (rid, self.tokens[rid], computed[rid] + step, 1) for rid, k in zip(rids, num_steps) if step < k
+            ]
+            self.shadow.step(tables, step_rows, guards)
+            for rid, *_ in step_rows:
+                token = data.draw(st.sampled_from(ALPHABET), label="sampled_in_loop")
+                self.tokens[rid].append(token)
+                produced[rid].append(token)
+        self.mgr.hand_back(rids, [produced[rid] for rid in rids])
+        for rid in rids:
+            assert self.mgr.num_computed_tokens(rid) == computed[rid] + len(produced[rid])
+            self._hashed(self.tokens[rid])
+
     def free(self, rids, *, mark):
         if mark:  # the last step of each ran (every step did, or was aborted and its requests freed at once)
             self.mgr.mark_computed(rids)
@@ -293,7 +325,9 @@ def run_random_sequence(data, unit, backend="jax"):
     seen: list[tuple[int, ...]] = []
     budget = CFG.max_num_batched_tokens
     for _ in range(data.draw(st.integers(8, 32), label="num_ops")):
-        op = data.draw(st.sampled_from(["step", "step", "step", "step", "add", "free", "preempt"]), label="op")
+        op = data.draw(
+            st.sampled_from(["step", "step", "step", "step", "add", "free", "preempt", "loop", "loop"]), label="op"
+        )
         if not d.running or (op == "step" and d.mgr.num_requests < 2 and data.draw(st.booleans(), label="add")):
             op = "add"
         if op == "add" and d.mgr.num_requests < NUM_SEQS:
@@ -358,6 +392,17 @@ def run_random_sequence(data, unit, backend="jax"):
                     if data.draw(st.booleans(), label="append_last"):
                         d.append(rid, data.draw(st.sampled_from(ALPHABET), label="sampled"))
             d.free(rids, mark=data.draw(st.booleans(), label="mark_before_free"))
+        elif op == "loop":
+            # Decoding requests (all their tokens computed but the one the last step sampled) in a device loop.
+            rids = []
+            for rid in d.running:
+                tokens, n = d.tokens[rid], d.mgr.num_computed_tokens(rid)
+                if n and n >= len(tokens) - 1 and len(tokens) < CFG.max_model_len:
+                    if n == len(tokens):
+                        d.append(rid, data.draw(st.sampled_from(ALPHABET), label="sampled"))
+                    rids.append(rid)
+            if rids:
+                d.loop(rids, [data.draw(st.integers(1, 6), label="wanted") for _ in rids], data)
         if op == "preempt" and d.running:
             rid = d.running[-1]  # the newest request loses its blocks and comes back with all its tokens
             d.free([rid], mark=data.draw(st.booleans(), label="mark_before_preempt"))
