@@ -538,8 +538,10 @@ class ServingLoop:
         produced, emitted, tokens = np.asarray(produced), np.asarray(emitted), np.asarray(tokens)
         logits = np.asarray(logits) if self.record_logits else None
         num_proposed, num_accepted = np.asarray(counts).tolist()
-        new_tokens = [[t for s in np.flatnonzero(produced[:, i]) for t in tokens[s, i, : emitted[s, i]].tolist()]
-                      for i in range(len(ids))]  # fmt: skip
+        new_tokens = [
+            [t for s in np.flatnonzero(produced[:, i]) for t in tokens[s, i, : emitted[s, i]].tolist()]
+            for i in range(len(ids))
+        ]
         self.mgr.hand_back(ids, new_tokens)  # appends them; the unused slots go back
         self.stats.drafts_proposed += num_proposed
         self.stats.drafts_accepted += num_accepted
