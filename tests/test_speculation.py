@@ -157,17 +157,24 @@ def test_errors_name_the_offending_value():
     assert mgr.allocate_slots("a", 3)  # the prompt: no drafts
     with pytest.raises(ValueError, match="num_rejected_tokens=1 for request 'a'.*0 draft tokens"):
         mgr.reject_tokens("a", 1)
-    # The pure step refuses a rollback on a config with a state group.
+
+
+def test_the_pure_step_rolls_back_a_state_groups_tokens_that_never_ran():
+    # A device loop's unused reservation on a state config: the state block past the verified tokens goes back,
+    # as the attention blocks do (the manager refuses drafts there: a draft that ran overwrote the state).
     cfg = make_cfg(16, full(2), mamba(2))
-    state = ms.init_state(cfg, 2)
-    with pytest.raises(ValueError, match="num_rejected_tokens given.*state"):
-        ms.allocate(
-            state,
-            np.asarray([0], np.int32),
-            np.asarray([1], np.int32),
-            num_rejected_tokens=np.asarray([1], np.int32),
-            cfg=cfg,
-        )
+    row = np.asarray([0], np.int32)
+    state, _ = ms.allocate(ms.init_state(cfg, 2), row, np.asarray([3], np.int32), cfg=cfg)  # 3 tokens
+    tables, num_free = np.asarray(state.block_tables), int(state.pool.num_free_blocks)  # full 0-1, the state at 1
+    state, _ = ms.allocate(state, row, np.asarray([2], np.int32), cfg=cfg)  # 5: full 2 and a state block at 2
+    assert int(state.pool.num_free_blocks) == num_free - 2
+    state, result = ms.allocate(
+        state, row, np.asarray([0], np.int32), num_rejected_tokens=np.asarray([2], np.int32), cfg=cfg
+    )
+    assert bool(result.ok[0]) and int(state.num_computed[0]) == 3
+    np.testing.assert_array_equal(np.asarray(state.block_tables), tables)
+    assert int(state.pool.num_free_blocks) == num_free
+    check_invariants(cfg, state)
 
 
 @settings(max_examples=12, deadline=None)

@@ -6,7 +6,8 @@ over (a power of two: few loop shapes).
 The host reserves each request's slots for the loop's steps in one allocation, as vLLM's multi-step scheduler
 reserved lookahead slots, and hands over only the requests' block tables and counts (`LoopRows`): the loop
 allocates nothing, so it needs neither the pool nor the prefix index. After the loop, the host counts the tokens it
-computed, gives the rest of the reservation back and indexes the blocks the loop filled, in one allocation.
+computed; the rest of the reservation goes back and the blocks the loop filled are indexed in one allocation,
+the next call's (within the next loop's reservation when loops follow each other).
 A request's slots are reserved by position: a rejected draft's slot takes the next token, as on the host.
 
 `HandOver` holds `KVCacheManager`'s calls that hand its state, or a loop's rows, to a jitted program and take
