@@ -496,14 +496,21 @@ class ServingLoop:
                 self._emit(req, np.argmax(sampled, axis=-1).tolist())
 
     def _propose_drafts(self, reqs: list[Request]):
-        """The draft model's passes for the requests' draft slots, which their allocation gave them."""
+        """The draft model's passes for the requests' draft slots, which their allocation gave them, through the
+        requests' block tables and counts (not the manager's whole state)."""
         num_rows = self.max_num_seqs
+        ids = [r.request_id for r in reqs]
         req_slots = np.full(num_rows, num_rows, np.int32)
+        req_slots[: len(reqs)] = np.arange(len(reqs))
         token, num_drafts = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
-        req_slots[: len(reqs)] = self.mgr.slots_of([r.request_id for r in reqs])
+        num_computed = np.zeros(num_rows, np.int32)
         for i, req in enumerate(reqs):
             token[i], num_drafts[i] = req.tokens[-1], len(req.drafts)
-        self.cache, drafts = self._draft_passes(self.params, self.cache, self.mgr.state, req_slots, token, num_drafts)
+            num_computed[i] = self.mgr.num_computed_tokens(req.request_id)  # its drafts included
+        tables = self.mgr.block_tables(ids)  # [G, R, M]
+        tables = jnp.zeros((tables.shape[0], num_rows, tables.shape[2]), jnp.int32).at[:, : len(reqs)].set(tables)
+        rows = jaxkv.ManagerState(pool=None, block_tables=tables, first_live_idx=None, num_computed=num_computed)
+        self.cache, drafts = self._draft_passes(self.params, self.cache, rows, req_slots, token, num_drafts)
         drafts = np.asarray(drafts)
         for i, req in enumerate(reqs):
             req.drafts = drafts[i, : len(req.drafts)].tolist()
