@@ -12,7 +12,12 @@ block size) and a finer unit (16 by default):
   block ends and at the prompt tail's final unit boundary (vLLM's "align" mode, which saves a
   state there), then one decode token per step; a finished turn is freed and the
   conversation's next turn arrives, looked up (`get_computed_tokens`) and claimed;
-* block copies are taken every step (`take_block_copies`) and counted (no model runs here).
+* block copies are taken every step (`take_block_copies`) and counted (no model runs here);
+* the step's sampled tokens are appended in one call (`append_token_ids_batch`), finished turns freed in one.
+
+The replay runs on each engine (`--backends`, both by default; the jitted one's programs compiled by a first
+replay, kept out of the figures): every manager call a step makes is timed, and a digest of every step's hits,
+ok flags and copies shows whether the engines' outcomes are identical.
 
 With `--serve` the model runs: the tiny Qwen3-Next checkpoint of tests/fixtures/hf/qwen3_next (5 layers, 4 of
 them Gated DeltaNet; random weights, float32), planned with the same 544-token blocks and as many blocks as the
@@ -26,13 +31,15 @@ are decoded but not kept). Compilation is kept out of the served times (a warm-u
     python benchmarks/mamba_prefix.py --units 16 64 --conversations 48
     python benchmarks/mamba_prefix.py --serve --conversations 8
 
-Prints one table row per unit: requests, prompt tokens, hit tokens, hit rate, copies; with `--serve` also
+Prints one table row per unit and engine: requests, prompt tokens, hit tokens, hit rate, copies, bookkeeping
+µs per step and the outcomes' digest, then each unit's ratio of the engines' times; with `--serve` also
 the tokens the model computed and wall time per turn.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pathlib
 import random
@@ -41,6 +48,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 
 from jaxkv import plan, specs_from_hf_config
 from jaxkv.manager import KVCacheManager
@@ -71,14 +79,19 @@ def make_conversations(num: int, turns: int, seed: int) -> list[list[tuple[list[
     return conversations
 
 
-def replay(cfg, conversations, unit: int | None, concurrency: int, max_chunk: int) -> dict:
-    mgr = KVCacheManager(cfg, max_num_seqs=concurrency, prefix_match_unit=unit)
+def replay(cfg, conversations, unit: int | None, concurrency: int, max_chunk: int, backend: str = "host") -> dict:
+    """The counted replay (see the module docstring) on one engine: its counts, the manager's time per step
+    (every call a step makes, token appends included) and a digest of every outcome (hits, ok flags, copies)."""
+    mgr = KVCacheManager(cfg, max_num_seqs=concurrency, prefix_match_unit=unit, backend=backend)
     block = cfg.groups[0].block_size
     hash_unit = mgr.prefix_config.unit
     waiting = [(c, 0) for c in range(len(conversations))]  # (conversation, turn) ready to arrive
     active = {}  # request id -> dict(prompt_len, answer, decoded, computed, hit)
     stats = dict(requests=0, prompt_tokens=0, hit_tokens=0, copies=0, steps=0)
-    start = time.perf_counter()
+    digest = hashlib.sha256()
+    clock = time.perf_counter
+    bookkeeping = 0.0
+    start = clock()
     while waiting or active:
         # Arrivals: look up and admit with the hit.
         new_rows = {}
@@ -86,8 +99,10 @@ def replay(cfg, conversations, unit: int | None, concurrency: int, max_chunk: in
             conv, turn = waiting.pop(0)
             prompt, answer = conversations[conv][turn]
             rid = (conv, turn)
+            t = clock()
             mgr.add_request(rid, prompt)
             hit = mgr.get_computed_tokens(rid)
+            bookkeeping += clock() - t
             active[rid] = dict(prompt_len=len(prompt), answer=answer, decoded=0, computed=0, hit=hit)
             new_rows[rid] = hit
             stats["requests"] += 1
@@ -107,29 +122,40 @@ def replay(cfg, conversations, unit: int | None, concurrency: int, max_chunk: in
             ids.append(rid)
             num_new.append(k)
             hits.append(new_rows.get(rid, 0))
+        t = clock()
         ok = mgr.allocate_slots_batch(ids, num_new, hits)
+        copies = mgr.take_block_copies()
+        mgr.mark_computed()  # the step's forward pass ran
+        bookkeeping += clock() - t
         if not ok.all():
             raise RuntimeError("the pool is too small for the replay's concurrency; lower --concurrency")
-        stats["copies"] += len(mgr.take_block_copies())
-        mgr.mark_computed()  # the step's forward pass ran
+        digest.update(np.asarray(hits, np.int64).tobytes() + ok.tobytes() + copies.tobytes())
+        stats["copies"] += len(copies)
         stats["steps"] += 1
+        finished, sampled = [], []
         for rid, k, h in zip(ids, num_new, hits):
             r = active[rid]
-            if h:
-                stats["hit_tokens"] += h
+            stats["hit_tokens"] += h
             r["computed"] += h + k
             if r["computed"] >= r["prompt_len"]:
                 if r["decoded"] == r["answer"]:
-                    mgr.free(rid)
+                    finished.append(rid)
                     del active[rid]
                     conv, turn = rid
                     if turn + 1 < len(conversations[conv]):
                         waiting.append((conv, turn + 1))
                     continue
-                mgr.append_token_ids(rid, [7])  # the sampled token, scheduled next step
+                sampled.append(rid)  # its sampled token, scheduled next step
                 r["decoded"] += 1
-    stats["seconds"] = round(time.perf_counter() - start, 1)
+        t = clock()
+        mgr.free_batch(finished)
+        mgr.append_token_ids_batch(sampled, [[7]] * len(sampled))
+        bookkeeping += clock() - t
+    stats["seconds"] = round(clock() - start, 1)
+    stats["us_per_step"] = round(1e6 * bookkeeping / stats["steps"], 1)
+    stats["digest"] = digest.hexdigest()[:16]
     stats["unit"] = hash_unit
+    stats["backend"] = backend
     return stats
 
 
@@ -188,13 +214,21 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--serve", action="store_true", help="also serve them with the tiny Qwen3-Next model")
+    parser.add_argument(
+        "--backends", nargs="+", default=["host", "jax"], choices=["host", "jax"], help="the engines that replay"
+    )
     args = parser.parse_args()
     cfg = plan(specs_from_hf_config(json.loads(CONFIG.read_text())), 20 * 2**30, max_model_len=32768)
     conversations = make_conversations(args.conversations, args.turns, args.seed)
     if args.serve:  # the tiny model's vocabulary, in both modes
         vocab = json.loads((CHECKPOINT / "config.json").read_text())["vocab_size"]
         conversations = [[([t % vocab for t in p], a) for p, a in conv] for conv in conversations]
-    rows = [replay(cfg, conversations, unit, args.concurrency, args.max_chunk) for unit in [None, *args.units]]
+    rows = []
+    for unit in [None, *args.units]:
+        for backend in args.backends:
+            if backend == "jax":  # its programs compiled by a first replay, kept out of the figures
+                replay(cfg, conversations, unit, args.concurrency, args.max_chunk, backend)
+            rows.append(replay(cfg, conversations, unit, args.concurrency, args.max_chunk, backend))
     served = []
     if args.serve:
         # Compilations stay out of the figures: a throwaway loop serves one turn first, and the compiled programs
@@ -213,8 +247,11 @@ def main():
         return
     kinds = ", ".join(f"{g.kind} {g.block_size}" for g in cfg.groups)
     print(f"groups: {kinds}; {cfg.num_blocks:,} blocks; {args.conversations} conversations x {args.turns} turns")
-    print("| prefix_match_unit | requests | prompt tokens | hit tokens | hit rate | block copies | steps | s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| prefix_match_unit | requests | prompt tokens | hit tokens | hit rate | block copies | steps | engine "
+        "| bookkeeping µs/step | outcomes' digest |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
 
     def hits(r):  # the cells both tables start with
         label = f"{r['unit']} (block size)" if r["unit"] == cfg.groups[0].block_size else str(r["unit"])
@@ -224,7 +261,16 @@ def main():
         )
 
     for r in rows:
-        print(f"{hits(r)} {r['copies']} | {r['steps']} | {r['seconds']} |")
+        print(f"{hits(r)} {r['copies']} | {r['steps']} | {r['backend']} | {r['us_per_step']:,} | {r['digest']} |")
+    by_unit = {}
+    for r in rows:
+        by_unit.setdefault(r["unit"], {})[r["backend"]] = r
+    for unit, engines in by_unit.items():
+        if len(engines) == 2:
+            host, jitted = engines["host"], engines["jax"]
+            same = "identical" if host["digest"] == jitted["digest"] else "DIFFERENT"
+            ratio = jitted["us_per_step"] / host["us_per_step"]
+            print(f"unit {unit}: the host engine {ratio:.1f}x faster per step than the jitted one; {same} outcomes")
     if served:
         print("\nserved by the tiny Qwen3-Next model (the same blocks and pool size):")
         print(

@@ -18,7 +18,7 @@ from jaxkv.core.invariants import check_invariants
 # Full + sliding window 4 (+ a state group), block 2, 23 usable blocks, 16 tokens a request at most.
 MIXED_CFG = make_cfg(24, full(2), sliding(2, 4), mamba(2), max_model_len=16, max_num_batched_tokens=8)
 ATTENTION_CFG = make_cfg(24, full(2), sliding(2, 4), max_model_len=16, max_num_batched_tokens=8)
-# jax; the host backend's general path (a state group); its compiled calls (attention only).
+# The jitted engine; the host engine with a state group and with attention groups only.
 BACKENDS = [("jax", MIXED_CFG), ("host", MIXED_CFG), ("host", ATTENTION_CFG)]
 IDS = ("a", "b", "c")  # one-character ids: a bare string "cb" given as ids would name two of them
 

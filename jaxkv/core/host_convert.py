@@ -110,7 +110,7 @@ def _prefix_state(host, shape) -> PrefixState:
 
 
 def load_state(host, state: ManagerState) -> None:
-    """Fills the host object's state attributes from `state` (device or host arrays); one transfer.
+    """Fills the host object's state arrays in place from `state` (device or host arrays); one transfer.
 
     `host.cfg`, `host.prefix` and `host.max_num_seqs` must describe `state` (ValueError otherwise). The free
     order is linked as the ring holds it.
@@ -132,21 +132,25 @@ def load_state(host, state: ManagerState) -> None:
     host.ref[:] = pool.ref_cnt
     host.group_of[:] = block_group
     host.set_free_order(free_order(pool))
-    host.tables = np.array(state.block_tables, np.int32)
-    host.first_live = np.asarray(state.first_live_idx, np.int64).T.copy()
-    host.num_computed = np.asarray(state.num_computed, np.int64).copy()
+    host.tables[:] = state.block_tables
+    host.first_live[:] = np.asarray(state.first_live_idx).T
+    host.num_computed[:] = state.num_computed
     if state.prefix is None:
         return
     prefix = state.prefix
     host.quiet_done[:] = -1  # found again by each slot's next allocation
     slots = np.asarray(prefix.index.slots)
-    host.num_buckets, host.ways = slots.shape[:2]
-    host.slots = slots.reshape(-1, slots.shape[-1]).copy()
+    if slots.shape[:2] != (host.num_buckets, host.ways):
+        raise ValueError(
+            f"the state's index has {slots.shape[0]} buckets of {slots.shape[1]} ways; the host's has "
+            f"{host.num_buckets} of {host.ways}"
+        )
+    host.slots[:] = slots.reshape(-1, slots.shape[-1])
     host.block_slot[:] = prefix.index.block_slot
-    host.keys = np.array(prefix.req_hashes, np.uint32)
-    host.num_hashed = np.asarray(prefix.num_hashed_units, np.int64).copy()
-    host.num_cached = np.asarray(prefix.num_cached_blocks, np.int64).T.copy()
-    host.shared_len = np.asarray(prefix.shared_len, np.int64).copy()
-    host.prompt_len = np.asarray(prefix.prompt_len, np.int64).copy()
+    host.keys[:] = prefix.req_hashes
+    host.num_hashed[:] = prefix.num_hashed_units
+    host.num_cached[:] = np.asarray(prefix.num_cached_blocks).T
+    host.shared_len[:] = prefix.shared_len
+    host.prompt_len[:] = prefix.prompt_len
     copy_src = np.asarray(prefix.copy_src)
     host.copies = {dst: int(copy_src[dst]) for dst in np.flatnonzero(copy_src).tolist()}

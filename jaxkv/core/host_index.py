@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv.core.host_pool import _jit, link_after, unlink
+from jaxkv.core.state import CHUNKED_LOCAL, FULL, SLIDING_WINDOW
 from jaxkv.prefix.index import COUNT_WORD, FIELDS
 
 _INDEX = "uint32[:, ::1], int32[:], int32[:]"  # slots, block_slot, group_of
@@ -41,19 +42,6 @@ def find(slots, ways, key):
     return -1
 
 
-@_jit("int32[:, ::1](uint32[:, ::1], int64, uint32[:, ::1])")
-def probe(slots, ways, keys):
-    """int32[K, G]: the blocks indexed under each of `keys` (uint32[K, 4]), 0 where none."""
-    num_groups = slots.shape[1] - FIELDS
-    out = np.zeros((keys.shape[0], num_groups), np.int32)
-    for k in range(keys.shape[0]):
-        e = find(slots, ways, keys[k])
-        if e >= 0:
-            for g in range(num_groups):
-                out[k, g] = slots[e, FIELDS + g]
-    return out
-
-
 @_jit("void(int64, uint32[:, ::1], int32[:])")
 def _unindex(block, slots, block_slot):
     e, g = divmod(block_slot[block], slots.shape[1] - FIELDS)
@@ -67,14 +55,6 @@ def uncache(block, slots, block_slot, group_of):
     """Takes a cached block out of the index."""
     _unindex(block, slots, block_slot)
     group_of[block] = -1
-
-
-@_jit("void(int32[::1], uint32[:, ::1], int32[:])")
-def evict(blocks, slots, block_slot):
-    """Takes the indexed ones of `blocks` (popped, so no longer cached) out of the index."""
-    for i in range(blocks.shape[0]):
-        if block_slot[blocks[i]] >= 0:
-            _unindex(blocks[i], slots, block_slot)
 
 
 @_jit(f"void(uint32[::1], int64[::1], int32[::1], boolean, int32, int64, {_INDEX}, {_POOL})")
@@ -146,33 +126,16 @@ def index_row(
                   cached_in_pass, ref, nxt, prv)  # fmt: skip
 
 
-@_jit(
-    "void(int64[::1], int64[:, ::1], int64[:, ::1], int64[::1], int32[:, :, ::1], uint32[:, :, ::1], int32, int64,"
-    f" {_INDEX}, {_POOL})"
-)
-def index_rows(
-    rows, start, end, step, tables, keys, pass_id, ways, slots, block_slot, group_of, cached_in_pass, ref, nxt, prv
-):
-    """An allocation's caching pass: `index_row` of each row (slot `rows[i]`, [start[i], end[i]))."""
-    groups, blocks = np.empty(step.shape[0], np.int64), np.empty(step.shape[0], np.int32)
-    for i in range(rows.shape[0]):
-        index_row(rows[i], start[i], end[i], step, tables, keys, pass_id, ways, slots, block_slot, group_of,
-                  cached_in_pass, ref, nxt, prv, groups, blocks)  # fmt: skip
-
-
-FULL, SLIDING, CHUNKED, STATE = range(4)  # group kinds
-
-
 @_jit("int64(int32[:, ::1], int64, int64, int64, int64, int64, int64)")
 def _hit_blocks(indexed, g, kind, block_size, window, step, max_blocks):
     """`rules.hit_blocks_reference` of group g at `max_blocks`: block j is cached where
     `indexed[(j + 1) · step − 1, g]` is not null."""
-    if kind == FULL or kind == CHUNKED:
+    if kind == FULL or kind == CHUNKED_LOCAL:
         j = 0 if kind == FULL else max_blocks // (window // block_size) * (window // block_size)
         while j < max_blocks and indexed[(j + 1) * step - 1, g]:
             j += 1
         return j
-    if kind == SLIDING:
+    if kind == SLIDING_WINDOW:
         num_needed = -(-(window - 1) // block_size)
         if num_needed == 0:
             return max_blocks
@@ -227,36 +190,3 @@ def lookup(slots, ways, keys, num_tokens, bound, kind, block_size, window, step)
             own = _hit_blocks(indexed, g, kind[g], block_size[g], window[g], step[g], bound // block_size[g])
             shared = max(shared, own * block_size[g])
     return hit, hit if shared < 0 else shared
-
-
-@_jit(
-    "UniTuple(int64, 4)(int64[::1], int64[::1], uint32[:, :, ::1], int64[::1], int64, int64, boolean,"
-    " uint32[:, ::1], int64, int64[::1], int64[::1], int64[::1], int64[::1], int64[::1], int64[::1])"
-)
-def lookup_rows(
-    rows, num_tokens, keys, num_hashed, unit, max_block_size, drop_last_block, slots, ways, kind, block_size, window,
-    step, hits, shared_len,
-):  # fmt: skip
-    """`lookup` of each row's slot, of `num_tokens[slot]` tokens and its `num_hashed[slot]` unit keys in `keys`:
-    row i's hit into `hits[i]`, its shared length into `shared_len[slot]`. `drop_last_block`: vLLM's EAGLE rule,
-    the hit found again with at most its last block less. Returns the rows with a key, their tokens, their hit
-    tokens and their shared tokens past the hit."""
-    num_keyed = keyed_tokens = hit_tokens = miss_tokens = 0
-    for i in range(rows.shape[0]):
-        s = rows[i]
-        n, row_keys = num_tokens[s], keys[s, : num_hashed[s]]
-        bound = min(max(n - 1, 0), num_hashed[s] * unit)
-        hit, shared = lookup(slots, ways, row_keys, n, bound, kind, block_size, window, step)
-        shared_len[s] = shared
-        if drop_last_block and hit:
-            max_hit = hit - max_block_size
-            hit = 0
-            if max_hit > 0:
-                hit = lookup(slots, ways, row_keys, max_hit + 1, min(bound, max_hit), kind, block_size, window, step)[0]
-        hits[i] = hit
-        if num_hashed[s]:
-            num_keyed += 1
-            keyed_tokens += n
-            hit_tokens += hit
-            miss_tokens += shared - hit
-    return num_keyed, keyed_tokens, hit_tokens, miss_tokens

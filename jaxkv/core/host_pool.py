@@ -36,8 +36,9 @@ _ARRAYS = "int32[:], int32[:], int32[:], int32[:]"  # nxt, prv, ref, group_of (c
 
 
 def new_pool(num_blocks: int) -> np.ndarray:
-    """int32[N, 8]: per block (ref, group_of, nxt, prv) and four more columns (the index's), one block's fields
-    in one cache line: a pool whose blocks 1..N-1 are all free, in id order."""
+    """int32[N, 8]: per block (ref, group_of, nxt, prv) and four more columns (the engine's: its index fields and
+    pending copies, `jaxkv.core.host_types.Pool`), one block's fields in one cache line: a pool whose blocks
+    1..N-1 are all free, in id order."""
     fields = np.zeros((num_blocks, 8), np.int32)
     fields[:, 1] = -1
     set_order(fields[:, 2], fields[:, 3], np.arange(1, num_blocks, dtype=np.int32))
@@ -77,19 +78,6 @@ def link_after(nxt, prv, a, b):
     nxt[a] = b
 
 
-@_jit(f"int32[::1](int64, {_ARRAYS})")
-def pop(k, nxt, prv, ref, group_of):
-    """Takes the first k free blocks (count 1, no longer cached: the caller takes them out of its index)."""
-    blocks = np.empty(k, np.int32)
-    for i in range(k):
-        b = nxt[0]
-        unlink(nxt, prv, b)
-        ref[b] = 1
-        group_of[b] = -1
-        blocks[i] = b
-    return blocks
-
-
 @_jit(f"int64(int64, boolean, {_ARRAYS})")
 def _release_one(b, evict_first, nxt, prv, ref, group_of):
     if b == NULL_BLOCK:
@@ -102,15 +90,6 @@ def _release_one(b, evict_first, nxt, prv, ref, group_of):
     else:
         link_after(nxt, prv, 0, b)
     return 1
-
-
-@_jit(f"int64(int32[::1], boolean, {_ARRAYS})")
-def release(blocks, evict_first, nxt, prv, ref, group_of):
-    """Releases int[K] blocks in order (null entries skipped); returns how many became free."""
-    freed = 0
-    for i in range(blocks.shape[0]):
-        freed += _release_one(blocks[i], evict_first, nxt, prv, ref, group_of)
-    return freed
 
 
 @_jit(f"int64(int32[:, :, ::1], int64, int64, int64, int64, int64, {_ARRAYS})")
@@ -139,41 +118,3 @@ def free_slots(rows, num_computed, first_live, block_size, tables, nxt, prv, ref
             first_live[s, g] = 0
         num_computed[s] = 0
     return freed
-
-
-@_jit(f"int64(int32[:, :, ::1], int64[:, :], {_ARRAYS})")
-def release_ranges(tables, ranges, nxt, prv, ref, group_of):
-    """`release_range` of each int64[R, 5] row (group, slot, lo, hi, evict_from), in order."""
-    freed = 0
-    for r in range(ranges.shape[0]):
-        g, s, lo, hi, evict_from = ranges[r, 0], ranges[r, 1], ranges[r, 2], ranges[r, 3], ranges[r, 4]
-        freed += release_range(tables, g, s, lo, hi, evict_from, nxt, prv, ref, group_of)
-    return freed
-
-
-@_jit("int64(int32[::1], int32[:], int32[:], int32[:])")
-def claim(blocks, nxt, prv, ref):
-    """Adds a holder to each of int[K] blocks in order (a free one leaves the free order); returns how many were
-    free."""
-    taken = 0
-    for i in range(blocks.shape[0]):
-        b = blocks[i]
-        if ref[b] == 0:
-            unlink(nxt, prv, b)
-            taken += 1
-        ref[b] += 1
-    return taken
-
-
-@_jit("int64[::1](int32[:, :, ::1], int64[:, :], int32[:], boolean[::1])")
-def count_sole(tables, ranges, ref, claimed):
-    """int64[R]: per (group, slot, lo, hi) row of `ranges`, the entries of `tables[group, slot, lo:hi]` held by
-    that entry alone (count 1) and not in `claimed` (bool[N])."""
-    out = np.zeros(ranges.shape[0], np.int64)
-    for r in range(ranges.shape[0]):
-        g, s = ranges[r, 0], ranges[r, 1]
-        for j in range(ranges[r, 2], ranges[r, 3]):
-            b = tables[g, s, j]
-            if ref[b] == 1 and not claimed[b]:
-                out[r] += 1
-    return out

@@ -166,9 +166,11 @@ class HandOver:
         result = None
         if fast:
             self._settle_others(slots)
-            result = self._engine.reserve_fast(slots, wanted)
+            result = self._engine.reserve_fast(slots, wanted, self._release)
         if result is not None:
-            ok, reserved = result
+            ok, reserved, copies = result
+            if len(copies):
+                self._copies.append(copies)
         else:  # the general path; its errors name what is wrong
             slots = self._requests.checked_slots(request_ids, slots)
             num_computed = c.num_computed[slots]

@@ -72,19 +72,21 @@ class Engine(Protocol):
         """The rows' prefix hits int64[R] (changes nothing but `RequestCounts.shared_len`), and the stats:
         lookups, tokens looked up, hit tokens, reconciliation misses."""
 
-    def allocate_fast(self, slots, num_new, hits, must_fit) -> tuple[int, int] | None:
-        """A whole allocation call in one compiled call, its checks and the counts' updates included: (rows that
-        succeed, hit tokens claimed); None, with nothing changed, where the engine has no such call for it or a
-        row is invalid (the manager's general path then names what is wrong)."""
+    def allocate_fast(self, slots, num_new, hits, must_fit, release: list[int]) -> tuple[int, int, np.ndarray] | None:
+        """A whole allocation call in one compiled call, its checks and the counts' updates included, after the
+        pins of taken copies in `release` (emptied) drop: (rows that succeed, hit tokens claimed, the copies made
+        int32[C, 3]); None, with nothing changed, where the engine has no such call for it or a row is invalid
+        or has a rollback pending (the manager's general path then rolls back, or names what is wrong)."""
 
     def allocate(self, slots, num_new, hits, full, lookahead, release: list[int]) -> tuple[np.ndarray, int, np.ndarray]:
         """vLLM's sequential allocation of checked rows: ok bool[R], hit tokens claimed, the copies made
         int32[C, 3]. Rolls back the rows' `pending_reject` first and releases pins of taken copies from the front
         of `release` (deleting those it released). The manager advances the counts after it."""
 
-    def reserve_fast(self, slots: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def reserve_fast(self, slots, wanted, release: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """A device loop's reservation (`KVCacheManager.hand_over`) in one compiled call, its checks and the
-        counts' updates included: (ok bool[R], the slots reserved int64[R]); None, with nothing changed, where
+        counts' updates included, `release` as for `allocate_fast`: (ok bool[R], the slots reserved int64[R], the
+        copies made int32[C, 3]); None, with nothing changed, where
         the engine has no such call for it or a row is invalid or has a rollback pending (the manager's general
         path then rolls back, or names what is wrong)."""
 

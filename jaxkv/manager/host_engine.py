@@ -1,5 +1,6 @@
 """The host engine behind `KVCacheManager` (the default): the state in host memory, updated in place by
-`jaxkv.core.host.HostState`, its common calls one compiled (numba) call each, checks included.
+`jaxkv.core.host.HostState`, every call compiled (numba); the manager's common calls one compiled call each,
+their checks and counts included.
 
 Dimensions: R rows of one call, S slots, G groups, M max blocks per request.
 """
@@ -12,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.core import state as st
-from jaxkv.core.host import HostState
+from jaxkv.core.host import HostState, sorted_copies
 from jaxkv.core.host_convert import load_state, to_state
+from jaxkv.core.host_types import Counts
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepWork
 from jaxkv.manager.engine import RequestCounts
@@ -46,10 +48,11 @@ class HostEngine:
         self.debug_checks, self.use_eagle = debug_checks, use_eagle
         self._host = HostState(cfg, max_num_seqs, prefix)
         self._tails = prefix is not None and bool(partial_groups(cfg, prefix))
-        # Allocations and frees as one compiled call each, their checks and the counts included (no
-        # speculative decoding: its rollbacks run the general path).
-        self.checks_counts = self._host.compiled and not speculating
-        self._req_counts = (counts.num_computed, counts.num_written, counts.num_tokens, counts.shared_len)
+        # Allocations, reservations and frees as one compiled call each, their checks and the counts included
+        # (speculative decoding's allocations take `allocate`: its drafts' counts are the manager's).
+        self.checks_counts = not speculating
+        self._req_counts = Counts(counts.num_computed, counts.num_written, counts.num_tokens, counts.shared_len,
+                                  counts.pending_reject, counts.num_prompt)  # fmt: skip
         self.step_variants: dict[StepWork, int] = {}  # nothing is compiled per signature
         self.last_work: StepWork | None = None
 
@@ -66,22 +69,22 @@ class HostEngine:
         )
         return hits, tuple(stats)
 
-    def allocate_fast(self, slots, num_new, hits, must_fit) -> tuple[int, int] | None:
+    def allocate_fast(self, slots, num_new, hits, must_fit, release: list[int]) -> tuple[int, int, np.ndarray] | None:
         if not self.checks_counts:
             return None
-        num_ok, num_hit = self._host.allocate_checked(
-            slots, num_new, hits, must_fit, self._req_counts, self.cfg.max_model_len
+        num_ok, num_hit, copies = self._host.allocate_checked(
+            slots, num_new, hits, must_fit, self._req_counts, self.cfg.max_model_len, release
         )
         if num_ok < 0:
             return None
         self.check()
-        return num_ok, num_hit
+        return num_ok, num_hit, copies
 
     def allocate(self, slots, num_new, hits, full, lookahead, release: list[int]) -> tuple[np.ndarray, int, np.ndarray]:
         host, counts = self._host, self.counts
         pending = counts.pending_reject[slots]
         if pending.any():  # rejected drafts and the last call's lookahead slots
-            host.roll_back(slots.tolist(), pending.tolist())
+            host.roll_back(slots, pending)
             counts.pending_reject[slots] = 0
         if release:
             host.release_copies(release)
@@ -99,30 +102,29 @@ class HostEngine:
         )
         made = _NO_COPIES
         if copies:
-            made = np.array([copies[key] for key in sorted(copies)], np.int32).reshape(-1, 3)
+            made = sorted_copies(np.array([(*key, *copy) for key, copy in copies.items()], np.int64))
         self.check()
         return ok, num_hit, made
 
-    def reserve_fast(self, slots: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def reserve_fast(self, slots, wanted, release: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         if not self.checks_counts:
             return None
-        c = self.counts
-        num_ok, reserved = self._host.reserve_checked(
-            slots, wanted, (c.num_computed, c.num_written, c.num_tokens, c.pending_reject), self.cfg.max_model_len
+        num_ok, reserved, copies = self._host.reserve_checked(
+            slots, wanted, self._req_counts, self.cfg.max_model_len, release
         )
         if num_ok < 0:
             return None
         self.check()
-        return np.arange(len(slots)) < num_ok, reserved
+        return np.arange(len(slots)) < num_ok, reserved, copies
 
     def free_fast(self, slots: np.ndarray) -> bool:
-        if not self.checks_counts or not self._host.free_checked(slots, self._req_counts[:3]):
+        if not self.checks_counts or not self._host.free_checked(slots, self._req_counts):
             return False
         self.check()
         return True
 
     def free(self, slots: np.ndarray, counts: np.ndarray, written: np.ndarray) -> None:
-        self._host.free(slots.tolist(), written.tolist())
+        self._host.free(slots, written)
         self.check()
 
     def block_table(self, slot: int) -> np.ndarray:

@@ -259,10 +259,10 @@ class JaxEngine:
         self.check()
 
     # ---- allocation ------------------------------------------------------------------------
-    def allocate_fast(self, slots, num_new, hits, must_fit) -> None:
+    def allocate_fast(self, slots, num_new, hits, must_fit, release: list[int]) -> None:
         return None
 
-    def reserve_fast(self, slots, wanted) -> None:
+    def reserve_fast(self, slots, wanted, release: list[int]) -> None:
         return None
 
     def allocate(self, slots, num_new, hits, full, lookahead, release: list[int]) -> tuple[np.ndarray, int, np.ndarray]:

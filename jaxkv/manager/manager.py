@@ -285,9 +285,11 @@ class KVCacheManager(HandOver):
             lookahead = validation.counts(request_ids, num_lookahead_tokens, "num_lookahead_tokens")
         result = None
         if fast and (num_lookahead_tokens is None or not lookahead.any()):
-            result = self._engine.allocate_fast(slots, num_new, hits, must_fit)
+            result = self._engine.allocate_fast(slots, num_new, hits, must_fit, self._release)
         if result is not None:
-            num_ok, num_hit = result
+            num_ok, num_hit, copies = result
+            if len(copies):
+                self._copies.append(copies)
             self.prefix_stats["claimed_hit_tokens"] += num_hit
             ok = np.arange(len(slots)) < num_ok
         else:  # the general path; its errors name what is wrong

@@ -26,7 +26,7 @@ class Requests:
     def __init__(self, max_num_seqs: int, max_model_len: int, prefix: PrefixCacheConfig | None, hash_mode: HashMode):
         # A step's token appends as one compiled call, its checks included; imported here: numba's loops load
         # (or compile, once) on first use.
-        from jaxkv.core.host_step import append_checked
+        from jaxkv.core.host_calls import append_checked
 
         self._append_checked = append_checked
         self.max_num_seqs, self.max_model_len, self.prefix, self.hash_mode = (

@@ -11,6 +11,7 @@ from model_reference import ModelState
 from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv.core.host import HostState, ints_to_keys
+from jaxkv.core.host_types import Counts
 from jaxkv.manager.device_loop import reservation
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.hashing import prompt_unit_hashes
@@ -71,6 +72,7 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False, loops=False):
     looked_up: dict[int, tuple[int, int]] = {}
     rejected: dict[int, int] = {}
     pending: list[int] = []  # copy destinations not released yet
+    seen: list[tuple[int, ...]] = []  # prompts added so far
     eagle = speculate and data.draw(st.booleans(), label="eagle")
     max_len = cfg.max_model_len
 
@@ -87,10 +89,12 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False, loops=False):
             st.sampled_from(["add", "allocate", "allocate", "allocate", "free", "preempt"] + ["loop"] * loops)
         )
         if op == "add" and len(live) < NUM_SLOTS:
-            base = data.draw(st.sampled_from(PREFIXES), label="prefix")
+            # A fixed prefix, or an earlier prompt: its hit may end inside a block (at its tail) and go on past it.
+            base = data.draw(st.sampled_from(PREFIXES + tuple(seen)), label="prefix")
             tokens = list(base[: data.draw(st.integers(0, len(base)), label="shared")])
             tokens += data.draw(st.lists(st.integers(70, 72), max_size=max_len - len(tokens)), label="tail")
             if tokens:
+                seen.append(tuple(tokens))
                 slot = min(set(range(NUM_SLOTS)) - set(live))
                 live[slot], prompt_len[slot] = tokens, len(tokens)
                 if caching:
@@ -167,22 +171,22 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False, loops=False):
                     host.set_keys(slot, keys)
                 model.set_hashes(slot, keys)
             zeros = [0] * len(slots) if caching else None
-            given = (slots, [0] * len(slots), None, zeros, [prompt_len[s] for s in slots], zeros, reserved)
-            if host.compiled:  # the manager's compiled reservation, its checks and counts included
-                counts = np.zeros((4, NUM_SLOTS), np.int64)  # computed, written, tokens, pending rollback
-                counts[0] = host.num_computed
-                counts[2, list(live)] = [len(tokens) for tokens in live.values()]
-                num_ok, got = host.reserve_checked(np.array(slots, np.int64), wanted, tuple(counts), max_len)
-                assert got.tolist() == reserved and counts[3, slots].tolist() == [
-                    r if i < num_ok else 0 for i, r in enumerate(reserved)
-                ]
-                ok = np.arange(len(slots)) < num_ok
-            else:
-                ok, _, copies = host.allocate(*given)
+            prompts = [prompt_len[s] for s in slots]
+            given = (slots, [0] * len(slots), None, zeros, prompts, zeros, reserved)
+            # The manager's compiled reservation, its checks and counts included.
+            counts = Counts(*np.zeros((6, NUM_SLOTS), np.int64))  # computed, written, tokens, shared, pending, prompt
+            counts.computed[:] = host.num_computed
+            counts.tokens[list(live)] = [len(tokens) for tokens in live.values()]
+            counts.prompt[list(live)] = [prompt_len[s] for s in live]
+            num_ok, got, copies = host.reserve_checked(np.array(slots, np.int64), wanted, counts, max_len, [])
+            assert got.tolist() == reserved
+            assert counts.pending[slots].tolist() == [r if i < num_ok else 0 for i, r in enumerate(reserved)]
+            ok = np.arange(len(slots)) < num_ok
             assert ok.tolist() == model.allocate(*given)
-            if caching and not host.compiled:
-                assert copies == model.last_copies
-                pending += [dst for _, dst, _ in copies.values()]
+            if caching:
+                made = model.last_copies
+                assert copies.tolist() == [list(made[key]) for key in sorted(made)]
+                pending += [dst for _, dst, _ in made.values()]
             for slot, r, fits in zip(slots, reserved, ok):
                 if fits:  # the loop computes k of its r slots; each gives the next token
                     k = data.draw(st.integers(0, r), label="computed_in_loop")
