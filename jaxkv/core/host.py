@@ -26,8 +26,8 @@ import numpy as np
 from jaxkv.core import host_calls as calls
 from jaxkv.core import host_index as index
 from jaxkv.core import host_pool as pool
-from jaxkv.core import host_step
-from jaxkv.core.host_types import Counts, Pool, Requests, Rows, Rules
+from jaxkv.core import host_step, host_types
+from jaxkv.core.host_types import Rows
 from jaxkv.core.pool import HASH_WORDS
 from jaxkv.core.state import CHUNKED_LOCAL, MAMBA, SLIDING_WINDOW, group_rules, max_blocks_per_request
 from jaxkv.planner.config import KVCacheConfig
@@ -66,8 +66,15 @@ def _copies_dict(copies: np.ndarray) -> dict:
     return {(row, g): (src, dst, valid) for row, g, src, dst, valid in copies.tolist()}
 
 
+_NO_COPIES = np.zeros((0, 3), np.int32)
+_NO_COPIES.flags.writeable = False
+
+
 def sorted_copies(copies: np.ndarray) -> np.ndarray:
     """int32[C, 3] (source, destination, valid tokens) of int64[C, 5] copies, by row, then group."""
+    if not len(copies):
+        return _NO_COPIES
+    copies = copies.reshape(-1, 5)
     return copies[np.lexsort((copies[:, 1], copies[:, 0])), 2:].astype(np.int32)
 
 
@@ -89,7 +96,7 @@ class HostState:
 
         kind = rules.kind
         window = np.where(kind == SLIDING_WINDOW, rules.window, np.where(kind == CHUNKED_LOCAL, rules.chunk, 0))
-        self._rules = Rules(
+        self._rules = host_types.rules(
             *(column(x) for x in (rules.block_size, rules.max_blocks, rules.keep_offset, rules.keep_unit,
                                   rules.keep_scale, rules.keep_div, rules.block_size // self.unit)),
             column(rules.kind), column(window), column(self.windowed, np.bool_),
@@ -104,7 +111,7 @@ class HostState:
         )
         self.block_slot[:] = NOT_INDEXED
         self._counts = np.array([n - 1, 0], np.int64)  # free blocks, caching passes so far
-        self._pool = Pool(self.ref, self.group_of, self.nxt, self.prv, self.block_slot, self.cached_in_pass,
+        self._pool = host_types.pool(self.ref, self.group_of, self.nxt, self.prv, self.block_slot, self.cached_in_pass,
                           self._copy_src, self._counts)  # fmt: skip
         self.num_buckets = num_buckets_for(num_index_entries(cfg), prefix.ways) if prefix is not None else 1
         self.slots = np.zeros((self.num_buckets * self.ways, FIELDS + num_groups), np.uint32)
@@ -120,7 +127,7 @@ class HostState:
         # Per slot, bounds within which an allocation of it only advances its count (`host_step._set_quiet`;
         # -1: unknown, the next allocation finds them).
         self.quiet_start, self.quiet_done = np.full(max_num_seqs, -1, np.int64), np.full(max_num_seqs, -1, np.int64)
-        self._requests = Requests(
+        self._requests = host_types.requests(
             self.tables, self.first_live, self.num_computed, self.num_cached, self.shared_len, self.prompt_len,
             self.num_hashed, self.keys, self.quiet_start, self.quiet_done,
         )  # fmt: skip
@@ -177,36 +184,36 @@ class HostState:
         )
         return np.arange(len(slots)) < num_ok, num_hit, _copies_dict(copies[:num_copies])
 
-    def allocate_checked(self, slots, new, hits, must_fit, counts: Counts, max_model_len, release: list[int]):
+    def allocate_checked(self, slots, new, hits, must_fit, counts, max_model_len, release: list[int]):
         """A manager's allocation call (`host_calls.allocate_checked`): int64[R] slots, new tokens and hit
-        tokens, bool[R] whole-request flags; `counts`: the manager's, advanced in place; the copies into
-        `release` were applied (emptied where the call runs). Returns (rows that succeed, hit tokens claimed,
-        int32[C, 3] copies: `sorted_copies`), or (-1, 0, None) with nothing changed where a row is invalid."""
-        rows = _rows(len(slots), slot=slots, new=new, hit=hits)
+        tokens, bool[R] whole-request flags; `counts`: the manager's (`host_types.counts`), advanced in place; the
+        copies into `release` were applied (emptied where the call runs). Returns (rows that succeed, hit tokens
+        claimed, int32[C, 3] copies: `sorted_copies`), or (-1, 0, None) with nothing changed where a row is
+        invalid."""
         copies = np.empty((2 * len(slots) * self.num_groups, 5), np.int64)
-        dsts = np.array(release, np.int64)
         num_ok, num_hit, num_copies = calls.allocate_checked(
-            rows, must_fit, counts, max_model_len, dsts, self._rules, self._pool, self.slots, self._requests, copies
-        )
+            slots, new, hits, must_fit, counts, max_model_len, np.array(release, np.int64), self._rules, self._pool,
+            self.slots, self._requests, copies,
+        )  # fmt: skip
         if num_ok < 0:
             return num_ok, 0, None
         release.clear()
         return num_ok, num_hit, sorted_copies(copies[:num_copies])
 
-    def reserve_checked(self, slots, wanted, counts: Counts, max_model_len, release: list[int]):
+    def reserve_checked(self, slots, wanted, counts, max_model_len, release: list[int]):
         """A device loop's reservation (`host_calls.reserve_checked`): int64[R] slots and wanted tokens;
-        `counts`: the manager's; `release` as for `allocate_checked`. Returns (rows that succeed, int64[R] the
-        slots reserved for each, int32[C, 3] copies), or (-1, ...) with nothing changed where a row is invalid or
-        has a rollback pending."""
-        rows = _rows(len(slots), slot=slots)
+        `counts` and `release` as for `allocate_checked`. Returns (rows that succeed, int64[R] the slots reserved
+        for each, int32[C, 3] copies), or (-1, ...) with nothing changed where a row is invalid or has a rollback
+        pending."""
+        reserved = np.zeros(len(slots), np.int64)
         copies = np.empty((2 * len(slots) * self.num_groups, 5), np.int64)
         num_ok, num_copies = calls.reserve_checked(
-            rows, wanted, counts, max_model_len, np.array(release, np.int64), self._rules, self._pool, self.slots,
-            self._requests, copies,
+            slots, wanted, counts, max_model_len, np.array(release, np.int64), reserved, self._rules, self._pool,
+            self.slots, self._requests, copies,
         )  # fmt: skip
         if num_ok >= 0:
             release.clear()
-        return num_ok, rows.new, sorted_copies(copies[:num_copies])
+        return num_ok, reserved, sorted_copies(copies[:num_copies])
 
     def free(self, slots, num_written=None) -> None:
         """Releases the slots' blocks, each group tail first. `num_written`: per slot, the tokens a forward
@@ -216,7 +223,7 @@ class HostState:
         written = self.num_computed[rows] if num_written is None else np.ascontiguousarray(num_written, np.int64)
         calls.free(rows, written, self._rules, self._pool, self.slots, self._requests)
 
-    def free_checked(self, slots, counts: Counts) -> bool:
+    def free_checked(self, slots, counts) -> bool:
         """A manager's free call (`host_calls.free_checked`): int64[R] slots; `counts`: the manager's (computed
         and tokens zeroed). False, with nothing changed, where a slot comes twice or has a rollback pending."""
         return calls.free_checked(slots, counts, self._rules, self._pool, self.slots, self._requests)
@@ -285,7 +292,7 @@ class HostState:
         full-attention groups' own longest hit); `drop_last_block`: vLLM's EAGLE rule
         (`jaxkv.prefix.state.lookup`)."""
         keys = np.require(keys, np.uint32, ["C", "W"]).reshape(-1, HASH_WORDS)  # a copy only where needed
-        max_block_size = int(self._rules.block_size.max())
+        max_block_size = max(g.block_size for g in self.cfg.groups)
         hit, shared = calls.lookup_one(self.slots, keys, num_tokens, -1, self._rules)
         if drop_last_block and hit:
             hit = calls.lookup_one(self.slots, keys, num_tokens, max(hit - max_block_size, 0), self._rules)[0]

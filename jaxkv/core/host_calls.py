@@ -15,7 +15,7 @@ from jaxkv.core.host_index import lookup, uncache
 from jaxkv.core.host_pool import _jit, _release_one, free_slots, release_range
 from jaxkv.core.host_step import allocate
 from jaxkv.core.host_tails import cache_state_blocks, lookup_partial, register_tails
-from jaxkv.core.host_types import COUNTS, INDEX, POOL, REQUESTS, ROWS, RULES
+from jaxkv.core.host_types import COUNTS, INDEX, POOL, REQUESTS, RULES, Rows
 from jaxkv.core.state import MAMBA
 
 
@@ -42,75 +42,80 @@ def release_copies(dsts, p):
 
 
 @_jit(
-    types.UniTuple(int64, 3)(ROWS, boolean[::1], COUNTS, int64, int64[::1], RULES, POOL, INDEX, REQUESTS, int64[:, ::1])
-)
-def allocate_checked(rows, must_fit, c, max_model_len, release, r, p, index, q, copies):
+    types.UniTuple(int64, 3)(
+        int64[::1], int64[::1], int64[::1], boolean[::1], COUNTS, int64, int64[::1], RULES, POOL, INDEX, REQUESTS,
+        int64[:, ::1],
+    )
+)  # fmt: skip
+def allocate_checked(slots_of, new, hits, must_fit, c, max_model_len, release, r, p, index, q, copies):
     """`host_step.allocate` of a manager's call (`jaxkv.manager.KVCacheManager.allocate_slots_batch`) with its
-    checks and its counts `c`: `rows` gives slots, new tokens and hit tokens (its other fields are filled here),
-    `must_fit` the whole-request flags; the copies into `release` were applied first (`release_copies`). Returns
-    (-1, 0, 0) and changes nothing where a row is invalid (a slot twice, a count negative or past
-    `max_model_len`, a hit not on a request's first call or not below its tokens, tokens past the request's) or
-    has a rollback pending; otherwise `allocate`'s, with the counts of the rows that succeed advanced."""
-    num_rows = rows.slot.shape[0]
-    if _repeats(rows.slot, c.computed.shape[0]):
+    checks and its counts `c`: int64[R] slots, new tokens and hit tokens, bool[R] whole-request flags; the
+    copies into `release` were applied first (`release_copies`). Returns (-1, 0, 0) and changes nothing where a
+    row is invalid (a slot twice, a count negative or past `max_model_len`, a hit not on a request's first call
+    or not below its tokens, tokens past the request's) or has a rollback pending; otherwise `allocate`'s, with
+    the counts of the rows that succeed advanced."""
+    num_rows = slots_of.shape[0]
+    if _repeats(slots_of, c.computed.shape[0]):
         return -1, 0, 0
     for i in range(num_rows):
-        s, k, h = rows.slot[i], rows.new[i], rows.hit[i]
+        s, k, h = slots_of[i], new[i], hits[i]
         n, total = c.computed[s], c.computed[s] + h + k
         bad_hit = h > 0 and (n > 0 or h >= c.tokens[s])
         if not (0 <= k <= max_model_len and 0 <= h <= max_model_len) or bad_hit or total > c.tokens[s]:
             return -1, 0, 0
         if c.pending[s]:
             return -1, 0, 0
+    full, shared, prompt = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
     for i in range(num_rows):
-        s = rows.slot[i]
-        rows.lookahead[i] = 0
-        rows.full[i] = c.tokens[s] if must_fit[i] else 0
-        rows.shared[i] = c.shared[s] if c.computed[s] == 0 else 0
-        rows.prompt[i] = c.prompt[s] if r.has_partial else 0
+        s = slots_of[i]
+        full[i] = c.tokens[s] if must_fit[i] else 0
+        shared[i] = c.shared[s] if c.computed[s] == 0 else 0
+        prompt[i] = c.prompt[s] if r.has_partial else 0
         c.written[s] = c.computed[s]  # the call says the rows' earlier steps ran
     release_copies(release, p)
+    rows = Rows(slots_of, new, np.zeros(num_rows, np.int64), hits, full, shared, prompt)
     num_ok, num_hit, num_copies = allocate(rows, True, r, p, index, q, copies)
     for i in range(num_ok):
-        s = rows.slot[i]
-        c.computed[s] += rows.new[i] + rows.hit[i]
-        c.written[s] += rows.hit[i]  # claimed hits hold cached content
+        s = slots_of[i]
+        c.computed[s] += new[i] + hits[i]
+        c.written[s] += hits[i]  # claimed hits hold cached content
     return num_ok, num_hit, num_copies
 
 
 @_jit(
-    types.UniTuple(int64, 2)(ROWS, int64[::1], COUNTS, int64, int64[::1], RULES, POOL, INDEX, REQUESTS, int64[:, ::1])
+    types.UniTuple(int64, 2)(
+        int64[::1], int64[::1], COUNTS, int64, int64[::1], int64[::1], RULES, POOL, INDEX, REQUESTS, int64[:, ::1]
+    )
 )
-def reserve_checked(rows, wanted, c, max_model_len, release, r, p, index, q, copies):
-    """A device loop's reservation (`jaxkv.manager.KVCacheManager.hand_over`) for the slots of `rows` (its other
-    fields are filled here), decoding requests (one token not computed) wanting `wanted` int64[R] tokens, with
-    the manager's counts `c`: `rows.new` gets each row's slots (its wanted tokens, at most the tokens it may still
-    produce, and with state groups at most to its state block's end: `jaxkv.manager.device_loop.reservation`),
-    taken as lookahead slots by one `allocate` after `release_copies(release)`; the rows that succeed count them
-    as pending rollback. Returns
-    (rows that succeed, copies made), or (-1, 0) and changes nothing where a slot comes twice, a row is not
-    decoding or has a rollback pending (the general path rolls it back first). The counts were checked."""
-    num_rows = rows.slot.shape[0]
-    if _repeats(rows.slot, c.computed.shape[0]):
+def reserve_checked(slots_of, wanted, c, max_model_len, release, reserved, r, p, index, q, copies):
+    """A device loop's reservation (`jaxkv.manager.KVCacheManager.hand_over`) for int64[R] slots of decoding
+    requests (one token not computed) wanting `wanted` int64[R] tokens, with the manager's counts `c`:
+    `reserved` gets each row's slots (its wanted tokens, at most the tokens it may still produce, and with state
+    groups at most to its state block's end: `jaxkv.manager.device_loop.reservation`), taken as lookahead slots
+    by one `allocate` after `release_copies(release)`; the rows that succeed count them as pending rollback.
+    Returns (rows that succeed, copies made), or (-1, 0) and changes nothing where a slot comes twice, a row is
+    not decoding or has a rollback pending (the general path rolls it back first). The counts were checked."""
+    num_rows = slots_of.shape[0]
+    if _repeats(slots_of, c.computed.shape[0]):
         return -1, 0
     for i in range(num_rows):
-        s = rows.slot[i]
+        s = slots_of[i]
         if c.tokens[s] - c.computed[s] != 1 or c.pending[s] != 0:
             return -1, 0
+    zeros, prompt = np.zeros(num_rows, np.int64), np.zeros(num_rows, np.int64)
     for i in range(num_rows):
-        s = rows.slot[i]
-        reserved = min(wanted[i], max_model_len - c.computed[s] - 1)
+        s = slots_of[i]
+        reserved[i] = min(wanted[i], max_model_len - c.computed[s] - 1)
         for g in range(r.block_size.shape[0]):
             if r.kind[g] == MAMBA:
-                reserved = min(reserved, r.block_size[g] - c.computed[s] % r.block_size[g])
-        rows.new[i] = rows.lookahead[i] = reserved
-        rows.hit[i] = rows.full[i] = rows.shared[i] = 0
-        rows.prompt[i] = c.prompt[s] if r.has_partial else 0
+                reserved[i] = min(reserved[i], r.block_size[g] - c.computed[s] % r.block_size[g])
+        prompt[i] = c.prompt[s] if r.has_partial else 0
         c.written[s] = c.computed[s]  # the rows' last steps ran: they sampled the tokens not computed
     release_copies(release, p)
+    rows = Rows(slots_of, reserved, reserved, zeros, zeros, zeros, prompt)
     num_ok, _, num_copies = allocate(rows, False, r, p, index, q, copies)
     for i in range(num_ok):
-        c.pending[rows.slot[i]] += rows.new[i]
+        c.pending[slots_of[i]] += reserved[i]
     return num_ok, num_copies
 
 

@@ -20,15 +20,51 @@ entries.
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
+
 import numba
 import numpy as np
+from numba.core import caching
 
 from jaxkv.planner.specs import NULL_BLOCK
 
+# The host engine's modules: each compiled function inlines those it calls from the others.
+_ENGINE_FILES = sorted(pathlib.Path(__file__).parent.glob("host_*.py"))
+_ENGINE_DIGEST = hashlib.sha256(b"".join(path.read_bytes() for path in _ENGINE_FILES)).hexdigest()
+
+
+def _stamped(locator: type) -> type:
+    """numba's cache `locator` for the engine's modules, its files named and stamped by all their sources: numba
+    stamps a cached function with its own file's time and size only, so a change to a function it calls in
+    another module would leave it stale, calling the old code (and an old file may not even load)."""
+
+    class EngineLocator(locator):
+        def get_source_stamp(self):
+            return _ENGINE_DIGEST
+
+        def get_disambiguator(self):
+            return f"{super().get_disambiguator()}-{_ENGINE_DIGEST[:16]}"
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if pathlib.Path(py_file) not in _ENGINE_FILES:
+                return None
+            return super().from_function(py_func, py_file)
+
+    return EngineLocator
+
+
+caching.CacheImpl._locator_classes[:0] = [
+    _stamped(caching.UserProvidedCacheLocator),  # where NUMBA_CACHE_DIR is set
+    _stamped(caching.InTreeCacheLocator),
+]
+
 
 def _jit(signature):
-    """Compiled for one signature when this module is imported (from numba's cache after the first time), so
-    that no call pays a compilation; the arrays are C-contiguous (`::1`) and of exactly these dtypes."""
+    """Compiled for one signature when this module is imported (from numba's cache after the first time, which
+    the engine's sources stamp), so that no call pays a compilation; the arrays are C-contiguous (`::1`) and of
+    exactly these dtypes."""
     return numba.njit(signature, cache=True, nogil=True)
 
 
@@ -37,7 +73,7 @@ _ARRAYS = "int32[:], int32[:], int32[:], int32[:]"  # nxt, prv, ref, group_of (c
 
 def new_pool(num_blocks: int) -> np.ndarray:
     """int32[N, 8]: per block (ref, group_of, nxt, prv) and four more columns (the engine's: its index fields and
-    pending copies, `jaxkv.core.host_types.Pool`), one block's fields in one cache line: a pool whose blocks
+    pending copies, `jaxkv.core.host_types.pool`), one block's fields in one cache line: a pool whose blocks
     1..N-1 are all free, in id order."""
     fields = np.zeros((num_blocks, 8), np.int32)
     fields[:, 1] = -1

@@ -41,11 +41,19 @@ from jaxkv.core.host_types import INDEX, POOL, REQUESTS, ROWS, RULES
 from jaxkv.core.state import FULL, MAMBA
 from jaxkv.prefix.index import FIELDS
 
+_KEEP = types.UniTuple(int64[::1], 4)  # the rules' keep_offset, keep_unit, keep_scale and keep_div
 
-@_jit(int64(int64, int64, RULES))
-def _keep_from(n, g, r):
-    """`jaxkv.core.state.keep_from_idx` of group g."""
-    return max(n + r.keep_offset[g], 0) // r.keep_unit[g] * r.keep_scale[g] // r.keep_div[g]
+
+@_jit(_KEEP(RULES))
+def _keep_rule(r):
+    return r.keep_offset, r.keep_unit, r.keep_scale, r.keep_div
+
+
+@_jit(int64(int64, int64, _KEEP))
+def _keep_from(n, g, keep):
+    """`jaxkv.core.state.keep_from_idx` of group g (`keep`: `_keep_rule`'s, a local of the caller's loops)."""
+    offset, unit, scale, div = keep
+    return max(n + offset[g], 0) // unit[g] * scale[g] // div[g]
 
 
 @_jit(types.void(int64, RULES, REQUESTS))
@@ -74,8 +82,9 @@ def _claim(s, h, entries, tail_src, cow, r, p, index, q):
     scratch of U entries."""
     for u in range(h // r.unit):
         entries[u] = find(index, r.ways, q.keys[s, u])
+    keep = _keep_rule(r)
     for g in range(r.block_size.shape[0]):
-        first = _keep_from(h, g, r)
+        first = _keep_from(h, g, keep)
         for j in range(first, h // r.block_size[g]):
             block = index[entries[(j + 1) * r.step[g] - 1], FIELDS + g]
             if p.ref[block] == 0:
@@ -110,6 +119,9 @@ def _apply(
     rows only advance their counts. Returns (rows that succeed, hit tokens claimed, copies in `copies`)."""
     num_groups = r.block_size.shape[0]
     slots_of, new, hits = rows.slot, rows.new, rows.hit
+    # The fields the loops use, as locals: loaded once, not at each access.
+    block_size, kind, tables, first_live = r.block_size, r.kind, q.tables, q.first_live
+    ref, nxt, prv, group_of, block_slot = p.ref, p.nxt, p.prv, p.group_of, p.block_slot
     num_hit = 0
     entries = np.empty(q.keys.shape[1], np.int64)
     for i in range(num_ok):  # claim hits
@@ -121,35 +133,37 @@ def _apply(
             continue
         s = slots_of[i]
         for g in range(num_groups):
-            if keep[i, g] > q.first_live[s, g]:
-                bs = r.block_size[g]
+            if keep[i, g] > first_live[s, g]:
+                bs = block_size[g]
                 evict_from = q.shared_len[s] // bs if r.windowed[g] and q.shared_len[s] > 0 else -1
-                p.counts[0] += release_range(q.tables, g, s, q.first_live[s, g], keep[i, g], evict_from, p.nxt,
-                                             p.prv, p.ref, p.group_of)  # fmt: skip
-            q.first_live[s, g] = keep[i, g]
+                p.counts[0] += release_range(tables, g, s, first_live[s, g], keep[i, g], evict_from, nxt,
+                                             prv, ref, group_of)  # fmt: skip
+            first_live[s, g] = keep[i, g]
+    num_free = p.counts[0]
     for i in range(num_ok):  # take blocks (a hit's copied tail block first)
         s = slots_of[i]
         if not quiet[i]:
             for g in range(num_groups):
                 for j in range(first_new[i, g], first_new[i, g] + need[i, g]):
-                    block = p.nxt[0]
-                    unlink(p.nxt, p.prv, block)
-                    p.ref[block] = 1
-                    p.group_of[block] = -1
-                    if p.block_slot[block] >= 0:  # a popped cached block leaves the index
-                        _unindex(block, index, p.block_slot)
-                    q.tables[g, s, j] = block
-                    p.counts[0] -= 1
+                    block = nxt[0]
+                    unlink(nxt, prv, block)
+                    ref[block] = 1
+                    group_of[block] = -1
+                    if block_slot[block] >= 0:  # a popped cached block leaves the index
+                        _unindex(block, index, block_slot)
+                    tables[g, s, j] = block
+                    num_free -= 1
                 if cow[i, g]:  # the copy's destination, pinned until the copy was applied
-                    j = n_eff[i] // r.block_size[g]
-                    dst = q.tables[g, s, j]
-                    p.ref[dst] += 1
+                    j = n_eff[i] // block_size[g]
+                    dst = tables[g, s, j]
+                    ref[dst] += 1
                     p.copy_src[dst] = tail_src[i, g]
                     copies[num_copies, 0], copies[num_copies, 1] = i, g
                     copies[num_copies, 2], copies[num_copies, 3] = tail_src[i, g], dst
-                    copies[num_copies, 4] = n_eff[i] - j * r.block_size[g]
+                    copies[num_copies, 4] = n_eff[i] - j * block_size[g]
                     num_copies += 1
         q.num_computed[s] = n_eff[i] + new[i]
+    p.counts[0] = num_free
     if num_ok and r.caching:  # index: one caching pass
         if r.has_partial:
             uncache_filled_tails(slots_of, num_ok, n_eff, hit_ok, rows.lookahead, r, p, index, q)
@@ -162,14 +176,14 @@ def _apply(
                 continue
             done = q.num_computed[s]
             for g in range(num_groups):
-                start[g] = n_eff[i] // r.block_size[g] if hit_ok[i] else q.num_cached[s, g]
+                start[g] = n_eff[i] // block_size[g] if hit_ok[i] else q.num_cached[s, g]
                 end[g] = 0
-                if r.kind[g] != MAMBA:
-                    end[g] = min(min(q.num_hashed[s] * r.unit, done - rows.lookahead[i]), done) // r.block_size[g]
-            index_row(s, start, end, r.step, q.tables, q.keys, p.counts[1], r.ways, index, p.block_slot, p.group_of,
-                      p.cached_in_pass, p.ref, p.nxt, p.prv, groups, blocks)  # fmt: skip
+                if kind[g] != MAMBA:
+                    end[g] = min(min(q.num_hashed[s] * r.unit, done - rows.lookahead[i]), done) // block_size[g]
+            index_row(s, start, end, r.step, tables, q.keys, p.counts[1], r.ways, index, block_slot, group_of,
+                      p.cached_in_pass, ref, nxt, prv, groups, blocks)  # fmt: skip
             for g in range(num_groups):
-                if r.kind[g] != MAMBA:
+                if kind[g] != MAMBA:
                     q.num_cached[s, g] = max(start[g], end[g])
             if record_shared and n[i] == 0:
                 q.shared_len[s] = max(rows.shared[i], 0)
@@ -184,11 +198,13 @@ def _apply(
 def allocate(rows, record_shared, r, p, index, q, copies):
     """One allocation of `rows` (`jaxkv.core.host_types.Rows`); the shared lengths are recorded on a request's
     first allocation where `record_shared`. `copies`: int64[2 R G, 5] room for the block copies it makes, (row,
-    group, source, destination, valid tokens), the destinations pinned (`Pool.copy_src`) until released. Returns
+    group, source, destination, valid tokens), the destinations pinned (the pool's `copy_src`) until released. Returns
     (rows that succeed, hit tokens claimed, copies made)."""
     num_rows, num_groups = rows.slot.shape[0], r.block_size.shape[0]
     slots_of, new, hits, full = rows.slot, rows.new, rows.hit, rows.full
-    block_size = r.block_size
+    # The fields the loops use, as locals: loaded once, not at each access.
+    block_size, max_blocks, kind, partial, step = r.block_size, r.max_blocks, r.kind, r.partial, r.step
+    keep_rule = _keep_rule(r)
     num_copies = 0
     if r.caching:
         for i in range(num_rows):
@@ -223,15 +239,15 @@ def allocate(rows, record_shared, r, p, index, q, copies):
         # every group but a partial one, and each block the groups' rules need is indexed.
         valid = n[i] == 0 and h % r.unit == 0 and h <= q.num_hashed[s] * r.unit
         for g in range(num_groups):
-            valid = valid and (h % block_size[g] == 0 or r.partial[g])
+            valid = valid and (h % block_size[g] == 0 or partial[g])
         if not valid:
             continue
         for u in range(h // r.unit):
             entries[u] = find(index, r.ways, q.keys[s, u])
         for g in range(num_groups):
             last = h // block_size[g]
-            for j in range(_keep_from(h, g, r), last + (h % block_size[g] != 0)):
-                e = entries[min((j + 1) * r.step[g], h // r.unit) - 1]
+            for j in range(_keep_from(h, g, keep_rule), last + (h % block_size[g] != 0)):
+                e = entries[min((j + 1) * step[g], h // r.unit) - 1]
                 block = index[e, FIELDS + g] if e >= 0 else 0
                 if block == 0:
                     valid = False
@@ -246,9 +262,10 @@ def allocate(rows, record_shared, r, p, index, q, copies):
             n_eff[i] = h
             for g in range(num_groups):
                 end_of_block = (h // block_size[g] + 1) * block_size[g]
-                cow[i, g] = tail_src[i, g] != 0 and (r.kind[g] == FULL or h + new[i] <= end_of_block)
+                cow[i, g] = tail_src[i, g] != 0 and (kind[g] == FULL or h + new[i] <= end_of_block)
     take_before, free_before = 0, p.counts[0]
     num_ok, gated = num_rows, num_rows
+    tables, first_live, ref = q.tables, q.first_live, p.ref
     for i in range(num_rows):
         s = slots_of[i]
         cost[i] = taken_free[i]
@@ -265,9 +282,9 @@ def allocate(rows, record_shared, r, p, index, q, copies):
         for g in range(num_groups):
             bs = block_size[g]
             table_len = -(-n_eff[i] // bs)
-            keep[i, g] = max(q.first_live[s, g], min(_keep_from(n_eff[i], g, r), table_len))
+            keep[i, g] = max(first_live[s, g], min(_keep_from(n_eff[i], g, keep_rule), table_len))
             new_len = -(-(n_eff[i] + new[i]) // bs)
-            first_new[i, g] = max(table_len, new_len - 1) if r.kind[g] == MAMBA else table_len
+            first_new[i, g] = max(table_len, new_len - 1) if kind[g] == MAMBA else table_len
             need[i, g] = new_len - first_new[i, g]
             if cow[i, g]:  # a fresh block where the hit ends, then the new ones
                 j = n_eff[i] // bs
@@ -275,11 +292,11 @@ def allocate(rows, record_shared, r, p, index, q, copies):
                 first_new[i, g] = j
             cost[i] += need[i, g]
             if full[i] > 0:
-                full_need += max(0, min(-(-full[i] // bs), r.max_blocks[g]) - table_len)
+                full_need += max(0, min(-(-full[i] // bs), max_blocks[g]) - table_len)
             if hits[i] == 0:  # blocks its releases free: held by it alone, claimed by no row
-                for j in range(q.first_live[s, g], keep[i, g]):
-                    block = q.tables[g, s, j]
-                    if p.ref[block] == 1 and not claimed[block]:
+                for j in range(first_live[s, g], keep[i, g]):
+                    block = tables[g, s, j]
+                    if ref[block] == 1 and not claimed[block]:
                         freed[i] += 1
         gate = full[i] <= 0 or take_before + full_need + taken_free[i] <= free_before
         fits = take_before + cost[i] <= free_before + freed[i] and (hit_ok[i] or hits[i] == 0)

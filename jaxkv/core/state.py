@@ -45,6 +45,7 @@ from jaxkv.planner.specs import NULL_BLOCK, cdiv
 from jaxkv.prefix import state as ps
 from jaxkv.prefix import tails as pt
 from jaxkv.prefix.index import remove
+from jaxkv.prefix.lookup import lookup as prefix_lookup
 
 FULL, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA = 0, 1, 2, 3
 _KIND_CODES = {"full": FULL, "sliding_window": SLIDING_WINDOW, "chunked_local": CHUNKED_LOCAL, "mamba": MAMBA}
@@ -540,7 +541,7 @@ def _lookup(
         raise ValueError("lookup needs a state with a prefix cache (init_state(..., prefix=...))")
     prefix = ps.check_prefix_config(cfg, state.prefix, prefix)
     sizes = chunk_sizes or default_chunk_sizes(cfg, keys.shape[0])
-    return ps.lookup(
+    return prefix_lookup(
         state.prefix.index,
         keys,
         num_keys,

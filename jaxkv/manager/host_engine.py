@@ -12,18 +12,15 @@ from collections.abc import Iterable
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.core import host_types
 from jaxkv.core import state as st
 from jaxkv.core.host import HostState, sorted_copies
 from jaxkv.core.host_convert import load_state, to_state
-from jaxkv.core.host_types import Counts
 from jaxkv.core.invariants import check_invariants
 from jaxkv.core.step import StepWork
 from jaxkv.manager.engine import RequestCounts
 from jaxkv.planner.config import KVCacheConfig
 from jaxkv.prefix.state import PrefixCacheConfig, partial_groups
-
-_NO_COPIES = np.zeros((0, 3), np.int32)
-_NO_COPIES.flags.writeable = False
 
 
 class HostEngine:
@@ -51,8 +48,10 @@ class HostEngine:
         # Allocations, reservations and frees as one compiled call each, their checks and the counts included
         # (speculative decoding's allocations take `allocate`: its drafts' counts are the manager's).
         self.checks_counts = not speculating
-        self._req_counts = Counts(counts.num_computed, counts.num_written, counts.num_tokens, counts.shared_len,
-                                  counts.pending_reject, counts.num_prompt)  # fmt: skip
+        c = counts
+        self._req_counts = host_types.counts(
+            c.num_computed, c.num_written, c.num_tokens, c.shared_len, c.pending_reject, c.num_prompt
+        )
         self.step_variants: dict[StepWork, int] = {}  # nothing is compiled per signature
         self.last_work: StepWork | None = None
 
@@ -100,11 +99,8 @@ class HostEngine:
             np.where(first, counts.shared_len[slots], 0) if caching and first.any() else None,
             lookahead if lookahead.any() else None,
         )
-        made = _NO_COPIES
-        if copies:
-            made = sorted_copies(np.array([(*key, *copy) for key, copy in copies.items()], np.int64))
         self.check()
-        return ok, num_hit, made
+        return ok, num_hit, sorted_copies(np.array([(*key, *copy) for key, copy in copies.items()], np.int64))
 
     def reserve_fast(self, slots, wanted, release: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         if not self.checks_counts:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from model_reference import ModelState
 from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
+from jaxkv.core import host_types
 from jaxkv.core.host import HostState, ints_to_keys
-from jaxkv.core.host_types import Counts
 from jaxkv.manager.device_loop import reservation
 from jaxkv.planner.specs import NULL_BLOCK
 from jaxkv.prefix.hashing import prompt_unit_hashes
@@ -174,13 +174,15 @@ def run_lock_step(data, cfg, unit, caching=True, speculate=False, loops=False):
             prompts = [prompt_len[s] for s in slots]
             given = (slots, [0] * len(slots), None, zeros, prompts, zeros, reserved)
             # The manager's compiled reservation, its checks and counts included.
-            counts = Counts(*np.zeros((6, NUM_SLOTS), np.int64))  # computed, written, tokens, shared, pending, prompt
-            counts.computed[:] = host.num_computed
-            counts.tokens[list(live)] = [len(tokens) for tokens in live.values()]
-            counts.prompt[list(live)] = [prompt_len[s] for s in live]
-            num_ok, got, copies = host.reserve_checked(np.array(slots, np.int64), wanted, counts, max_len, [])
+            counts = np.zeros((6, NUM_SLOTS), np.int64)  # computed, written, tokens, shared, pending rollback, prompt
+            counts[0] = host.num_computed
+            counts[2, list(live)] = [len(tokens) for tokens in live.values()]
+            counts[5, list(live)] = [prompt_len[s] for s in live]
+            num_ok, got, copies = host.reserve_checked(
+                np.array(slots, np.int64), wanted, host_types.counts(*counts), max_len, []
+            )
             assert got.tolist() == reserved
-            assert counts.pending[slots].tolist() == [r if i < num_ok else 0 for i, r in enumerate(reserved)]
+            assert counts[4, slots].tolist() == [r if i < num_ok else 0 for i, r in enumerate(reserved)]
             ok = np.arange(len(slots)) < num_ok
             assert ok.tolist() == model.allocate(*given)
             if caching:

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 from model_reference import ModelState, assert_state_matches
+from numba.experimental.structref import StructRefProxy
 from tiny_configs import full, make_cfg, mamba, sliding
 
 import jaxkv
@@ -177,8 +178,9 @@ def test_converted_state_carries_on_like_the_original(case):
     again = empty_host(twins[1])
     load_state(again, converted)
     assert vars(again).keys() == vars(host).keys()
-    for name in vars(host):
-        np.testing.assert_equal(getattr(again, name), getattr(host, name), err_msg=name)
+    for name, value in vars(host).items():
+        if not isinstance(value, StructRefProxy):  # the compiled calls' structs hold the arrays compared here
+            np.testing.assert_equal(getattr(again, name), value, err_msg=name)
 
     twins[0].adopt_state(original, ids)
     twins[1].adopt_state(converted, ids)
