@@ -167,6 +167,7 @@ def replay(args, workload: dict, trace=None) -> dict:
     }
     calls = dict.fromkeys(call_us, 0)
     hit_tokens = peak_used = preemptions = admission_failures = admitted = finished = tokens_scheduled = 0
+    resumed_hit_tokens = 0  # hits of requests admitted again after a preemption
     drafts_proposed = drafts_accepted = 0
     t_wall = pc()
 
@@ -268,6 +269,7 @@ def replay(args, workload: dict, trace=None) -> dict:
                 scheduled.append((req, n))
                 hits.append((req.idx, hit))
                 hit_tokens += hit
+                resumed_hit_tokens += hit if req.num_preemptions else 0
                 admitted += 1
             if len(batch) <= num_ok < len(rows):  # all running rows fit, a candidate did not
                 admission_failures += 1
@@ -382,6 +384,8 @@ def replay(args, workload: dict, trace=None) -> dict:
         "step_variants": len(mgr.step_variants),
         "steps_by_variant": {str(work): count for work, count in mgr.step_variants.items()},
         "prefix_hit_tokens": hit_tokens,
+        "prefix_hit_tokens_first_admission": hit_tokens - resumed_hit_tokens,
+        "prefix_hit_tokens_resumed": resumed_hit_tokens,
         "prefix_stats": mgr.prefix_stats,
         "prompt_hash_s": hash_s,
         "prompt_hash_ns_per_token": hash_s * 1e9 / max(1, sum(len(doc["prompt"]) for doc in workload["requests"])),
