@@ -116,7 +116,9 @@ def _apply(
     r, p, index, q, copies,
 ):  # fmt: skip
     """The phases after the gate: rows [0, num_ok) succeed, rows [0, gated) without a hit release; `quiet`
-    rows only advance their counts. Returns (rows that succeed, hit tokens claimed, copies in `copies`)."""
+    rows only advance their counts. Where the config has quiet bounds (the rules' `quiet`), each row that
+    succeeds and is not quiet gets its bounds again (a failed row's stay valid: its releases only raise its first
+    live entries). Returns (rows that succeed, hit tokens claimed, copies in `copies`)."""
     num_groups = r.block_size.shape[0]
     slots_of, new, hits = rows.slot, rows.new, rows.hit
     # The fields the loops use, as locals: loaded once, not at each access.

@@ -22,12 +22,46 @@ _I64, _BOOL = types.Array(types.int64, 1, "C"), types.Array(types.boolean, 1, "C
 _COLUMN = types.Array(types.int32, 1, "A")  # a column of the pool's int32[N, 8] array
 
 
-def _struct(name: str, fields: list[tuple[str, types.Type]]) -> types.StructRef:
-    """A registered struct type of `fields`, boxed in Python as an opaque proxy."""
-    kind = structref.register(type(f"{name}Type", (types.StructRef,), {}))
-    proxy = type(name, (structref.StructRefProxy,), {"__doc__": f"A {name} struct (`jaxkv.core.host_types`)."})
-    structref.define_boxing(kind, proxy)
-    return kind(fields)
+# Struct types and their Python proxies are module-level classes: numba's on-disk cache pickles a signature's
+# types by their import path, so a class built at run time would miss the cache in every new process.
+@structref.register
+class RulesType(types.StructRef):
+    pass
+
+
+@structref.register
+class PoolType(types.StructRef):
+    pass
+
+
+@structref.register
+class RequestsType(types.StructRef):
+    pass
+
+
+@structref.register
+class CountsType(types.StructRef):
+    pass
+
+
+class Rules(structref.StructRefProxy):
+    """A rules struct (built by `rules`)."""
+
+
+class Pool(structref.StructRefProxy):
+    """A pool struct (built by `pool`)."""
+
+
+class Requests(structref.StructRefProxy):
+    """A requests struct (built by `requests`)."""
+
+
+class Counts(structref.StructRefProxy):
+    """A counts struct (built by `counts`)."""
+
+
+for _kind, _proxy in ((RulesType, Rules), (PoolType, Pool), (RequestsType, Requests), (CountsType, Counts)):
+    structref.define_boxing(_kind, _proxy)
 
 
 # Per group int64[G] (`jaxkv.core.state.GroupRules`' constants, and the hash units per block), and the prefix
@@ -85,10 +119,10 @@ _COUNTS_FIELDS = [
     ("pending", _I64),  # tokens past `computed` still held: rejected drafts, lookahead slots
     ("prompt", _I64),  # prompt tokens
 ]
-RULES = _struct("Rules", _RULES_FIELDS)
-POOL = _struct("Pool", _POOL_FIELDS)
-REQUESTS = _struct("Requests", _REQUESTS_FIELDS)
-COUNTS = _struct("Counts", _COUNTS_FIELDS)
+RULES = RulesType(_RULES_FIELDS)
+POOL = PoolType(_POOL_FIELDS)
+REQUESTS = RequestsType(_REQUESTS_FIELDS)
+COUNTS = CountsType(_COUNTS_FIELDS)
 INDEX = types.Array(types.uint32, 2, "C")  # the index entries (`jaxkv.core.host_index`'s slots)
 
 
