@@ -3,6 +3,10 @@ operation sequences (hits inside blocks, copies, windows, state groups, drafts a
 structure compared after every operation. The model is compared with the jitted state by the
 other suites, so equal here means equal to the jitted transitions too."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -234,3 +238,14 @@ def test_host_state_without_prefix_caching_equals_the_model(case, data):
 @given(data=st.data())
 def test_host_state_with_drafts_equals_the_model(case, data):
     run_lock_step(data, *CASES[case], speculate=True)
+
+
+def test_a_new_process_loads_the_compiled_engine_from_numbas_cache():
+    # This module's import compiled or loaded every host-engine function; a new process must load them all. A
+    # struct type that numba's cache cannot pickle by import path made every process compile the engine again
+    # (about 25 s an import, in every example run too).
+    env = dict(os.environ, NUMBA_DEBUG_CACHE="1")
+    child = [sys.executable, "-c", "import jaxkv.core.host"]
+    out = subprocess.run(child, env=env, capture_output=True, text=True, check=True).stdout
+    saved = [line for line in out.splitlines() if "data saved" in line]
+    assert "data loaded" in out and not saved, saved[:5]
