@@ -22,46 +22,19 @@ _I64, _BOOL = types.Array(types.int64, 1, "C"), types.Array(types.boolean, 1, "C
 _COLUMN = types.Array(types.int32, 1, "A")  # a column of the pool's int32[N, 8] array
 
 
-# Struct types and their Python proxies are module-level classes: numba's on-disk cache pickles a signature's
-# types by their import path, so a class built at run time would miss the cache in every new process.
+# One struct type class (each struct's fields make it a type of its own) and one Python proxy, both defined at
+# module level: numba's on-disk cache pickles a signature's types and the boxing constructor by import path, so a
+# class built at run time would miss the cache in every new process.
 @structref.register
-class RulesType(types.StructRef):
+class StructType(types.StructRef):
     pass
 
 
-@structref.register
-class PoolType(types.StructRef):
-    pass
+class Struct(structref.StructRefProxy):
+    """One of the engine's structs (built by `rules`, `pool`, `requests` or `counts`), opaque in Python."""
 
 
-@structref.register
-class RequestsType(types.StructRef):
-    pass
-
-
-@structref.register
-class CountsType(types.StructRef):
-    pass
-
-
-class Rules(structref.StructRefProxy):
-    """A rules struct (built by `rules`)."""
-
-
-class Pool(structref.StructRefProxy):
-    """A pool struct (built by `pool`)."""
-
-
-class Requests(structref.StructRefProxy):
-    """A requests struct (built by `requests`)."""
-
-
-class Counts(structref.StructRefProxy):
-    """A counts struct (built by `counts`)."""
-
-
-for _kind, _proxy in ((RulesType, Rules), (PoolType, Pool), (RequestsType, Requests), (CountsType, Counts)):
-    structref.define_boxing(_kind, _proxy)
+structref.define_boxing(StructType, Struct)
 
 
 # Per group int64[G] (`jaxkv.core.state.GroupRules`' constants, and the hash units per block), and the prefix
@@ -119,10 +92,10 @@ _COUNTS_FIELDS = [
     ("pending", _I64),  # tokens past `computed` still held: rejected drafts, lookahead slots
     ("prompt", _I64),  # prompt tokens
 ]
-RULES = RulesType(_RULES_FIELDS)
-POOL = PoolType(_POOL_FIELDS)
-REQUESTS = RequestsType(_REQUESTS_FIELDS)
-COUNTS = CountsType(_COUNTS_FIELDS)
+RULES = StructType(_RULES_FIELDS)
+POOL = StructType(_POOL_FIELDS)
+REQUESTS = StructType(_REQUESTS_FIELDS)
+COUNTS = StructType(_COUNTS_FIELDS)
 INDEX = types.Array(types.uint32, 2, "C")  # the index entries (`jaxkv.core.host_index`'s slots)
 
 
