@@ -52,6 +52,7 @@ class ModelState:
         self.max_blocks = cdiv(cfg.max_model_len, min(g.block_size for g in cfg.groups))
         self.ref_cnt = [0] * self.num_blocks
         self.order = list(range(1, self.num_blocks))  # free blocks, head (reused first) to tail
+        self.popped: list[int] = []  # every block popped from the free list (and so evicted), in order
         self.cached_group: dict[int, int] = {}  # block -> group it is cached for
         num_groups = len(cfg.groups)
         self.tables = [[[NULL_BLOCK] * self.max_blocks for _ in range(max_num_seqs)] for _ in range(num_groups)]
@@ -90,6 +91,7 @@ class ModelState:
 
     def pop(self) -> int:
         b = self.order.pop(0)
+        self.popped.append(b)
         self.ref_cnt[b] = 1
         self.cached_group.pop(b, None)
         if self.prefix is not None:

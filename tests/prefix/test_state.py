@@ -349,19 +349,21 @@ class FakeKV:
         self.kv.update(kv)
         self.state.update(state)
 
-    def computed(self, cfg, state, slot, tokens, first, end, cached_before):
+    def computed(self, cfg, state, slot, tokens, first, end, cached_before, popped):
         """Positions [first, end) of `tokens` were computed into the slot's blocks.
 
         A state layer reads the state after `first` tokens first. No block another request
         holds is written, and no block in use and cached before the call (`cached_before`: index
-        entries) and still cached is written where its key says it is valid.
+        entries) and still cached is written where its key says it is valid. A block the call popped
+        from the free list (`popped`: its holders released it earlier in the call, and the pop evicted
+        it) is a new block: its writes may give it its old key again.
         """
         tables = np.asarray(state.block_tables)
         still = index_entries(state.prefix.index)  # evicted blocks may be written
         cached = {
             block: self.prefix_of_key[key]
             for kg, (block, _) in cached_before.items()
-            if still.get(kg, (None,))[0] == block
+            if still.get(kg, (None,))[0] == block and block not in popped
             for key in [kg[0]]
         }
 
@@ -539,6 +541,7 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False, speculate=Fal
                 chunk_sizes=chunk_sizes,
                 prefix=prefix,
             )
+            popped_from = len(model.popped)
             model.release_copies(released)
             model.free(freed)
             for slot in freed:
@@ -551,6 +554,7 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False, speculate=Fal
             assert np.asarray(result.ok).tolist() == expected_ok + [False] * (NUM_SLOTS - len(slots))
             assert int(result.num_free_blocks) == model.num_free_blocks
             assert int(result.num_hit_tokens) == sum(h for h, ok in zip(hits, expected_ok) if ok)
+            popped = set(model.popped[popped_from:])
             copies = np.asarray(result.copies)
             expected = np.zeros_like(copies)
             for (i, g), copy in model.last_copies.items():
@@ -562,7 +566,8 @@ def run_random_sequence(data, cfg, unit, chunk_sizes, reuse=False, speculate=Fal
             for slot, k, ok in zip(slots, new_tokens, expected_ok):
                 if ok:  # the step runs: the scheduled tokens' K/V and states are written
                     end = model.num_computed[slot]
-                    fake.computed(cfg, state, slot, live[slot] + drafts.get(slot, []), end - k, end, cached_before)
+                    tokens = live[slot] + drafts.get(slot, [])
+                    fake.computed(cfg, state, slot, tokens, end - k, end, cached_before, popped)
                     if slot in drafts:  # verification: the accepted drafts join the tokens
                         accepted = data.draw(st.integers(0, len(drafts[slot])), label="accepted")
                         live[slot] += drafts[slot][:accepted]
