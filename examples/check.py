@@ -15,14 +15,18 @@ def compare_with_dense(model, requests) -> tuple[float, int]:
     Request r's final tokens are run through `model.forward_dense` once; the row at
     position p must match every logit row the loop computed for p (a preempted
     request computes some positions twice; a prefix-cache hit computes none).
-    Its generated tokens must be the dense model's greedy choices too.
+    Its generated tokens must be the dense model's greedy choices too. The tokens are padded to a power of
+    two, so that one compiled pass serves requests of many lengths (the pass is causal: padding after a
+    position does not change its row).
     """
     graphdef, params = nnx.split(model)
     dense = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).forward_dense(tokens))
     worst, mismatches = 0.0, 0
     for req in requests:
         tokens = req.tokens[:-1]  # the last output token was never fed back
-        expected = np.asarray(dense(params, np.asarray(tokens, np.int32)))
+        padded = np.zeros(1 << max(len(tokens) - 1, 1).bit_length(), np.int32)
+        padded[: len(tokens)] = tokens
+        expected = np.asarray(dense(params, padded))[: len(tokens)]
         positions = sorted(req.logits)
         if not positions:
             mismatches += 1
