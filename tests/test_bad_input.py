@@ -204,6 +204,30 @@ def test_a_refused_call_changes_nothing(backend, cfg, data):
 
 
 @pytest.mark.parametrize("backend", ["jax", "host"])
+def test_a_refused_hand_over_leaves_the_last_loops_rows_to_settle(backend):
+    """A loop that ended (`hand_back`) settles its rows in the next call (its unused slots back, its blocks
+    indexed). A hand-over refused for a repeated id, a request not decoding or an unknown id once dropped that
+    settle (CI's random draw: a later request sharing the loop's prefix hit 2 tokens instead of 8)."""
+    cfg = MIXED_CFG
+    victim, twin = manager(backend, cfg, debug_checks=True), manager(backend, cfg)
+    for mgr in (victim, twin):
+        mgr.add_request("a", [1] * 8)
+        mgr.add_request("b", [1, 2, 1])
+        assert mgr.allocate_slots_batch(["a", "b"], [7, 1]).all()
+        assert mgr.hand_over(["a"], [1]) is not None
+        mgr.hand_back(["a"], [[1]])
+    for call, words in (
+        (lambda: victim.hand_over(["a", "a"], [1, 1]), "'a'"),
+        (lambda: victim.hand_over(["a", "b"], [1, 1]), "decoding"),
+        (lambda: victim.hand_over(["a", "zz"], [1, 1]), "'zz'"),
+    ):
+        with pytest.raises((ValueError, KeyError), match=words):
+            call()
+    assert_twins(victim, twin, {"a": [1] * 9, "b": [1, 2, 1]}, [1] * 9 + [3])
+    assert probe(victim, [1] * 9 + [3])[0] == 8
+
+
+@pytest.mark.parametrize("backend", ["jax", "host"])
 @pytest.mark.parametrize("bad_token", [-1, 2**32, 1.5, "x", [1], np.array([1.5])])
 def test_a_refused_token_never_hands_a_request_another_requests_block(backend, bad_token):
     """The first item of the bad-input report: A's refused token id once moved A's counts but not its hashes,

@@ -156,40 +156,34 @@ class HandOver:
         i, at positions from its computed count on."""
         self._check_held()
         slots = self._requests.known_slots(request_ids)
-        fast = self._engine.checks_counts and slots is not None
         wanted = validation.counts(request_ids, num_tokens, "num_tokens")
         num_rows = len(request_ids) if num_rows is None else validation.count(num_rows, "num_rows", minimum=1)
         if len(request_ids) > num_rows:
             raise ValueError(f"{num_rows=} cannot hold the {len(request_ids)} requests")
+        checked = self._requests.checked_slots(request_ids, slots)  # names an unknown or repeated id
         c = self._counts
-        num_computed = c.num_computed[slots] if fast else None
-        result = None
-        if fast:
-            self._settle_others(slots)
-            result = self._engine.reserve_fast(slots, wanted, self._release)
+        num_computed = c.num_computed[slots]
+        waiting = c.num_tokens[slots] - num_computed != 1
+        if waiting.any():
+            i = int(np.flatnonzero(waiting)[0])
+            raise ValueError(
+                f"request {request_ids[i]!r} has {c.num_tokens[slots][i]} tokens, {num_computed[i]} computed: "
+                "a device loop takes decoding requests (one token not computed yet); schedule the rest on the host"
+            )
+        # Every refusal is above: a loop that ended settles only once the call is known to reserve (its own rows
+        # settle in the reservation's allocation, which rolls back and indexes first).
+        self._settle_others(slots)
+        result = self._engine.reserve_fast(slots, wanted, self._release)
         if result is not None:
             ok, reserved, copies = result
-            if len(copies):
-                self._copies.append(copies)
-        else:  # the general path; its errors name what is wrong
-            slots = self._requests.checked_slots(request_ids, slots)
-            num_computed = c.num_computed[slots]
-            waiting = c.num_tokens[slots] - num_computed != 1
-            if waiting.any():
-                i = int(np.flatnonzero(waiting)[0])
-                raise ValueError(
-                    f"request {request_ids[i]!r} has {c.num_tokens[slots][i]} tokens, {num_computed[i]} computed: "
-                    "a device loop takes decoding requests (one token not computed yet); schedule the rest on "
-                    "the host"
-                )
+        else:
             reserved = reservation(self.cfg.max_model_len, self._state_block_sizes, num_computed, wanted)
-            self._settle_others(slots)  # its own rows settle in its allocation, which rolls back and indexes first
             zeros = np.zeros(len(slots), np.int64)
             c.num_written[slots] = num_computed  # their last steps ran: they sampled the tokens not computed
-            ok, _, copies = self._engine.allocate(slots, zeros, zeros, zeros, reserved, self._release)
+            ok, _, copies = self._engine.allocate(checked, zeros, zeros, zeros, reserved, self._release)
             c.pending_reject[slots[ok]] += reserved[ok]  # the engine counts them; `hand_back` gives the rest back
-            if len(copies):
-                self._copies.append(copies)
+        if len(copies):
+            self._copies.append(copies)
         c.num_scheduled[slots] = 0
         if not ok.all():
             self._settle(request_ids, slots)
