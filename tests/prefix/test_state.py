@@ -50,8 +50,8 @@ def _lookup(state, cfg, prefix, keys, num_tokens) -> int:
 
 
 def _lookup_shared(state, cfg, prefix, keys, num_tokens, drop_last_block=False) -> tuple[int, int]:
-    """(hit, shared length) of one request."""
-    width = max(8, len(keys))
+    """(hit, shared length) of one request (keys padded to a power of two: few compiled lookups)."""
+    width = max(8, 1 << (len(keys) - 1).bit_length())
     padded = np.zeros((8, width, 4), np.uint32)
     padded[0, : len(keys)] = keys
     hits, shared, _ = ms.lookup(
@@ -202,33 +202,39 @@ def _window_release(shared_len):
     """Full + SW(4), block 2. A computes 12 tokens (and releases its window blocks 0-3 on its next call);
     B shares its first 8, claims the 8-token hit with
     `shared_len` and computes to 16, then releases its window blocks 2-5 (its window at 16 starts at
-    block 6). Returns (state, B's sliding-window blocks 2-5)."""
+    block 6). Returns (state, B's sliding-window blocks 2-5). Every call passes the same arguments (keys,
+    hits, shared lengths; empty or zero where a call has none): one compiled program."""
     cfg = make_cfg(40, full(2), sliding(2, 4), max_model_len=32, max_num_batched_tokens=16)
     prefix = PrefixCacheConfig.for_config(cfg)
+
+    def allocate(state, slot, new, hit=0, shared=0, keys=None):
+        state, result = ms.allocate(
+            state,
+            _pad([slot], NUM_SLOTS),
+            _pad([new], 0),
+            None,
+            None,
+            _pad([hit], 0),
+            _uploads({} if keys is None else {slot: keys}),
+            num_shared_tokens=_pad([shared], 0),
+            cfg=cfg,
+            prefix=prefix,
+        )
+        check_invariants(cfg, state, prefix)
+        assert np.asarray(result.ok)[0]
+        return state
+
     state = ms.init_state(cfg, NUM_SLOTS, prefix)
     a = list(range(12))
     b = a[:8] + list(range(90, 98))
-    state, ok = _allocate(state, cfg, prefix, [(0, 12, 0)], _uploads({0: prompt_unit_hashes(a, 2)}))
-    state, ok = _allocate(state, cfg, prefix, [(0, 0, 0)])
+    state = allocate(state, 0, 12, keys=prompt_unit_hashes(a, 2))
+    state = allocate(state, 0, 0)
     keys_b = prompt_unit_hashes(b, 2)
-    assert ok == [True] and _lookup_shared(state, cfg, prefix, keys_b, 16) == (8, 8)
-    state, result = ms.allocate(
-        state,
-        _pad([1], NUM_SLOTS),
-        _pad([8], 0),
-        None,
-        None,
-        _pad([8], 0),
-        _uploads({1: keys_b}),
-        num_shared_tokens=_pad([shared_len], 0),
-        cfg=cfg,
-        prefix=prefix,
-    )
-    assert np.asarray(result.ok)[0]
+    assert _lookup_shared(state, cfg, prefix, keys_b, 16) == (8, 8)
+    state = allocate(state, 1, 8, hit=8, shared=shared_len, keys=keys_b)
     window_blocks = np.asarray(state.block_tables)[1, 1, 2:6].tolist()
-    state, result = ms.allocate(state, _pad([1], NUM_SLOTS), _pad([0], 0), cfg=cfg, prefix=prefix)
-    check_invariants(cfg, state, prefix)
-    assert np.asarray(result.ok)[0] and (np.asarray(state.block_tables)[1, 1, :6] == NULL_BLOCK).all()
+    state = allocate(state, 1, 0)
+    assert (np.asarray(state.block_tables)[1, 1, :6] == NULL_BLOCK).all()
     return state, window_blocks
 
 
@@ -649,7 +655,8 @@ def test_random_sequences_eager(case, data):
 
 
 def _allocate_tails(state, cfg, prefix, rows, uploads=None, released=()):
-    """rows: (slot, new tokens, hit tokens, prompt tokens). Returns (state, ok list, copies [R, G, 3])."""
+    """rows: (slot, new tokens, hit tokens, prompt tokens). Returns (state, ok list, copies [R, G, 3]). Calls
+    without keys pass an empty upload: one compiled program per config."""
     slots, new, hits, prompts = zip(*rows)
     state, result = ms.allocate(
         state,
@@ -658,7 +665,7 @@ def _allocate_tails(state, cfg, prefix, rows, uploads=None, released=()):
         None,
         None,
         _pad(hits, 0),
-        uploads,
+        _uploads({}) if uploads is None else uploads,
         _pad(prompts, 0),
         _pad(released, NULL_BLOCK, 8),
         cfg=cfg,
