@@ -11,6 +11,8 @@ Dimensions: G groups, S slots, M max blocks per request, N blocks, C ring capaci
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 
@@ -26,9 +28,10 @@ class InvariantError(AssertionError):
     """A ManagerState broke an invariant: a bug in a transition, never bad user input."""
 
 
-def _require(condition: bool, message: str) -> None:
+def _require(condition: bool, message: str | Callable[[], str]) -> None:
+    """`message`: the text, or a function giving it (messages that print arrays are built only on failure)."""
     if not condition:
-        raise InvariantError(message)
+        raise InvariantError(message() if callable(message) else message)
 
 
 def check_pool(pool: PoolState) -> np.ndarray:
@@ -40,7 +43,7 @@ def check_pool(pool: PoolState) -> np.ndarray:
     ref_cnt = np.asarray(pool.ref_cnt)
     num_blocks = ref_cnt.shape[0]
     _require(ref_cnt[NULL_BLOCK] == 0, f"the null block has reference count {ref_cnt[NULL_BLOCK]}")
-    _require((ref_cnt >= 0).all(), f"negative reference counts at blocks {np.flatnonzero(ref_cnt < 0)[:8]}")
+    _require((ref_cnt >= 0).all(), lambda: f"negative reference counts at blocks {np.flatnonzero(ref_cnt < 0)[:8]}")
     capacity = pool.free_ring.shape[0]
     head, count = int(pool.ring_head), int(pool.ring_count)
     _require(0 <= head < capacity and 0 <= count <= capacity, f"ring head {head} / count {count} out of range")
@@ -54,7 +57,7 @@ def check_pool(pool: PoolState) -> np.ndarray:
     _require(len(in_order) == len(set(in_order.tolist())), "a block has two valid entries in the free order")
     _require(
         set(in_order.tolist()) == set(free.tolist()),
-        f"free blocks missing from the free order: {sorted(set(free.tolist()) - set(in_order.tolist()))[:8]}",
+        lambda: f"free blocks missing from the free order: {sorted(set(free.tolist()) - set(in_order.tolist()))[:8]}",
     )
     _require(
         int(pool.num_free_blocks) == len(free),
@@ -83,7 +86,7 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
     first_live = np.asarray(state.first_live_idx)
     _require(
         (num_computed >= 0).all() and (num_computed <= cfg.max_model_len).all(),
-        f"num_computed out of [0, max_model_len]: {num_computed}",
+        lambda: f"num_computed out of [0, max_model_len]: {num_computed}",
     )
     idx = np.arange(max_blocks)
     for g in range(num_groups):
@@ -92,7 +95,8 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
             n, row, live = int(num_computed[s]), tables[g, s], int(first_live[g, s])
             table_len = cdiv(n, bs)
             if n == 0:
-                _require(not row.any() and live == 0, f"empty slot {s} holds blocks in group {g}: {row[row != 0]}")
+                if row.any() or live != 0:
+                    raise InvariantError(f"empty slot {s} holds blocks in group {g}: {row[row != 0]}")
                 continue
             _require(
                 (row[idx >= table_len] == NULL_BLOCK).all(),
@@ -124,7 +128,9 @@ def check_invariants(cfg: KVCacheConfig, state: ManagerState, prefix: PrefixCach
     bad = np.flatnonzero(counts != ref_cnt)
     _require(
         bad.size == 0,
-        f"blocks {bad[:8]} have ref_cnt {ref_cnt[bad[:8]]} but {counts[bad[:8]]} table entries and pending copies",
+        lambda: (
+            f"blocks {bad[:8]} have ref_cnt {ref_cnt[bad[:8]]} but {counts[bad[:8]]} table entries and pending copies"
+        ),
     )
 
     free = check_pool(pool)
@@ -163,15 +169,17 @@ def _check_prefix(state: ManagerState, rules, unit: int) -> None:
     cached = set(np.flatnonzero(group != NOT_CACHED).tolist())
     _require(
         cached == set(by_block),
-        f"cached blocks without an index entry: {sorted(cached - set(by_block))[:8]}, "
-        f"indexed blocks not marked cached: {sorted(set(by_block) - cached)[:8]}",
+        lambda: (
+            f"cached blocks without an index entry: {sorted(cached - set(by_block))[:8]}, "
+            f"indexed blocks not marked cached: {sorted(set(by_block) - cached)[:8]}"
+        ),
     )
     for block, (key, g) in by_block.items():
-        _require(
-            group[block] == g and tuple(block_hash[block].tolist()) == key,
-            f"block {block} is indexed under group {g} key {key}, the pool says group {group[block]} "
-            f"key {tuple(block_hash[block].tolist())}",
-        )
+        if group[block] != g or tuple(block_hash[block].tolist()) != key:
+            raise InvariantError(
+                f"block {block} is indexed under group {g} key {key}, the pool says group {group[block]} "
+                f"key {tuple(block_hash[block].tolist())}"
+            )
     tables = np.asarray(state.block_tables)
     num_computed = np.asarray(state.num_computed)
     req_hashes = np.asarray(prefix.req_hashes)

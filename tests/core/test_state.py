@@ -14,7 +14,7 @@ from model_reference import ModelState, assert_state_matches
 from tiny_configs import chunked, full, make_cfg, mamba, sliding
 
 from jaxkv.core import state as ms
-from jaxkv.core.invariants import check_invariants
+from jaxkv.core.invariants import InvariantError, check_invariants
 from jaxkv.core.pool import HASH_WORDS, mark_cached
 from jaxkv.planner.specs import NULL_BLOCK
 
@@ -197,6 +197,36 @@ def test_out_of_blocks_takes_nothing_and_loses_nothing():
     expected_sw[0] = NULL_BLOCK  # behind the window (6 computed: positions > 2 kept): released anyway
     np.testing.assert_array_equal(after.block_tables[1, 0], expected_sw)
     assert int(after.pool.num_free_blocks) == 4
+
+
+def _broken(state, name, edit):
+    """A copy of `state` whose array `name` ("pool.ref_cnt", "block_tables", ...) `edit` changed in place."""
+    state = jax.tree_util.tree_map(np.array, jax.device_get(state))
+    owner, _, field = name.rpartition(".")
+    edit(getattr(state.pool if owner else state, field))
+    return state
+
+
+BROKEN = {  # what is broken: (the array, the edit, the checker's message)
+    "a reference count": ("pool.ref_cnt", lambda a: a.__setitem__(1, 2), r"blocks \[1\] have ref_cnt \[2\] but \[1\]"),
+    "the free order": ("pool.ring_count", lambda a: a.__isub__(1), r"missing from the free order: \[9\]"),
+    "an empty slot": ("block_tables", lambda a: a.__setitem__((0, 1, 0), 9), r"empty slot 1 holds .* group 0: \[9\]"),
+    "a released entry": ("first_live_idx", lambda a: a.__setitem__((1, 0), 1), "slot 0 group 1: blocks below"),
+    "a count": ("num_computed", lambda a: a.__setitem__(0, 2), "slot 0 group 0: blocks past the table length 1"),
+    "the free count": ("pool.num_free_blocks", lambda a: a.__iadd__(1), "num_free_blocks is 4 but 3 blocks have"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_the_invariant_checker_names_what_is_broken(broken):
+    name, edit, message = BROKEN[broken]
+    # The state of test_out_of_blocks_takes_nothing_and_loses_nothing after its first call (same program).
+    cfg = make_cfg(10, full(2), sliding(2, 4), max_model_len=16)
+    state, ok = _allocate(ms.init_state(cfg, 3), cfg, [0], [6])  # blocks 1-6, 3 free
+    assert ok == [True] and np.asarray(state.block_tables)[:, 0, :3].tolist() == [[1, 2, 3], [4, 5, 6]]
+    check_invariants(cfg, state)
+    with pytest.raises(InvariantError, match=message):
+        check_invariants(cfg, _broken(state, name, edit))
 
 
 def test_rows_after_a_failure_fail_too():
