@@ -405,6 +405,8 @@ class JaxEngine:
             cache_count = np.where(rules.kind != st.MAMBA, np.maximum(full_blocks - cache_from, 0), 0)
             cache_rows = cache_count.sum(axis=1)
             has_work |= cache_rows > 0
+            # A first call records its lookup's shared length, with block work or without.
+            has_work |= (num_computed == 0) & (self.counts.shared_len[slots] > 0)
             work["index"] = walk_units(cache_from[cache_rows > 0], cache_count[cache_rows > 0], units_per_block)
         else:
             work["release"] += self._pending_free_entries

@@ -164,6 +164,26 @@ def test_a_step_without_block_work_makes_no_dispatch():
     check_invariants(cfg, mgr.state)
 
 
+def test_a_first_call_without_block_work_records_its_shared_length():
+    # EAGLE drops the last block of a's cached prefix: b's lookup hits nothing but shares 2 tokens; its first
+    # call schedules no token (no block to take), and its shared length still reaches the device state.
+    cfg = CONFIGS["full+sliding"]
+    lean, whole = (
+        KVCacheManager(cfg, max_num_seqs=3, use_eagle=True, specialize_steps=specialize, backend="jax")
+        for specialize in (True, False)
+    )
+    for mgr in (lean, whole):
+        mgr.add_request("a", [1, 1, 1])
+        for num_new in (1, 0, 1, 0):  # the trailing calls say each step ran: a's first block is indexed
+            assert mgr.allocate_slots("a", num_new)
+        mgr.free("a")
+        mgr.add_request("b", [1, 1, 1])
+        assert mgr.get_computed_tokens("b") == 0
+        assert mgr.allocate_slots("b", 0)
+    assert int(lean.state.prefix.shared_len[lean.slots_of(["b"])[0]]) == 2
+    _assert_same(lean, whole)
+
+
 def test_steps_past_the_program_bound_run_the_full_program(monkeypatch):
     # A config of its own (its program set is fresh); a bound of one specialised program: the second
     # signature runs StepWork(), with the same outcome as the full manager.
