@@ -5,7 +5,8 @@
 1. Correctness: every case of benchmarks/kernels.py (NaN-poisoned caches) with
    the compiled Triton kernels, plus a Gemma-like shape (head 128, GQA 4,
    bf16, block 16) at a few contexts, and the blocks one sliding-window
-   decode reads.
+   decode reads; paged_scatter's Mosaic GPU body beside its Triton one (a
+   failure is reported as NaN with its message, the other stages still run).
 2. Decode at batch 64 (32 query heads, 8 KV heads, head 128, bf16, block 16),
    contexts 1k-128k, window 1024 and full attention. Achieved bandwidth is the
    K/V bytes the kernel's loops load (its own block count x bytes per block)
@@ -90,6 +91,14 @@ def correctness(smoke: bool) -> dict:
         name = f"paged_scatter/{layout}-{dtype}-{row_width}"
         errors[name] = cpu_bench._scatter_error(dtype, row_width, layout, seed=1, **compiled)
         log(f"  {name}: {errors[name]:.2e}")
+        try:  # The Mosaic GPU body has not run on a GPU before: its failure must not hide the rest.
+            errors[f"{name}-mosaic_gpu"] = cpu_bench._scatter_error(
+                dtype, row_width, layout, seed=1, backend="mosaic_gpu", **compiled
+            )
+            log(f"  {name}-mosaic_gpu: {errors[f'{name}-mosaic_gpu']:.2e}")
+        except Exception as error:  # reported, not raised
+            errors[f"{name}-mosaic_gpu"] = float("nan")
+            log(f"  {name}-mosaic_gpu: failed: {type(error).__name__}: {str(error)[:300]}")
     return errors
 
 

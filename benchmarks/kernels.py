@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "pallas_k
 import kernel_cases  # noqa: E402
 from kernel_cases import AttentionCase  # noqa: E402
 
+from pallas_kernels._common import mosaic_gpu_supported  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
 from pallas_kernels.paged_scatter import paged_scatter, paged_scatter_reference  # noqa: E402
 
@@ -168,6 +169,11 @@ def run() -> dict:
     max_rel_err["paged_scatter/BLHNC-float32-64-mosaic-interpret"] = _scatter_error(
         "float32", 64, "BLHNC", seed=1, backend="mosaic", interpret=True
     )
+    if mosaic_gpu_supported():  # jax >= 0.11
+        for layout, dtype, row_width in (("BLHNC", "bfloat16", 256), ("BLHNC", "uint8", 656)):
+            max_rel_err[f"paged_scatter/{layout}-{dtype}-{row_width}-mosaic_gpu-interpret"] = _scatter_error(
+                dtype, row_width, layout, seed=1, backend="mosaic_gpu", interpret=True
+            )
     return {
         "max_rel_err": max_rel_err,
         "sw_decode_blocks_read": _decode_blocks_read(WINDOW),

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
@@ -24,7 +25,10 @@ from jax.experimental.pallas import triton as plgpu
 LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
 DEFAULT_LAYOUT = "BLHNC"
 
-BACKENDS = ("triton", "mosaic")
+BACKENDS = ("triton", "mosaic", "mosaic_gpu")
+# Mosaic GPU bodies are entered through `plgpu.kernel` with the cache as a mutable ref (`jax.new_ref`), which
+# jax 0.10's kernel entry does not accept.
+MOSAIC_GPU_MIN_JAX = (0, 11)
 
 
 def filter_triton_deprecation() -> None:
@@ -74,9 +78,14 @@ def from_blhnc(cache: jax.Array, layout: str) -> jax.Array:
     return cache.transpose(tuple("BLHNC".index(axis) for axis in layout))
 
 
+def mosaic_gpu_supported() -> bool:
+    """Whether the installed jax runs the Mosaic GPU bodies (on a GPU, or in its interpreter)."""
+    return tuple(int(part) for part in jax.__version__.split(".")[:2]) >= MOSAIC_GPU_MIN_JAX
+
+
 def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, bool]:
     """Fills in the defaults: Mosaic on TPU, Triton-style kernels elsewhere,
-    interpreted unless a GPU or TPU is the default backend."""
+    interpreted unless a GPU or TPU is the default backend. "mosaic_gpu" is asked for by name."""
     platform = jax.default_backend()
     if backend is None:
         backend = "mosaic" if platform == "tpu" else "triton"
@@ -84,14 +93,22 @@ def resolve_backend(backend: str | None, interpret: bool | None) -> tuple[str, b
         raise ValueError(f"{backend=} is not one of {BACKENDS} (or None for the default).")
     if backend == "triton":
         filter_triton_deprecation()
+    if backend == "mosaic_gpu" and not mosaic_gpu_supported():
+        raise ValueError(
+            f"backend='mosaic_gpu' needs jax >= {'.'.join(map(str, MOSAIC_GPU_MIN_JAX))} "
+            f"(installed: {jax.__version__}); upgrade jax or use backend='triton'"
+        )
     if interpret is None:
         interpret = platform not in ("gpu", "cuda", "rocm", "tpu")
     return backend, bool(interpret)
 
 
 def interpret_arg(backend: str, interpret: bool):
-    """pallas_call's `interpret=`: Mosaic kernels use DMAs and semaphores, which
-    only the TPU interpreter emulates."""
+    """pallas_call's (or `plgpu.kernel`'s) `interpret=`: Mosaic kernels use DMAs and
+    semaphores, which only the TPU interpreter emulates; Mosaic GPU bodies run in the
+    GPU interpreter (TMA copies, barriers), with its race detector on."""
+    if backend == "mosaic_gpu":
+        return plmgpu.InterpretGPUParams(detect_races=True) if interpret else None
     if not interpret:
         return False
     if backend == "mosaic":

@@ -205,7 +205,8 @@ def paged_attention(
       block_q: queries per tile (power of 2 on GPU); default fills 16 rows of
         (query, head-in-group) pairs.
       backend: "triton" (GPU, and the kernel interpreted on CPU) or "mosaic"
-        (TPU); None picks by `jax.default_backend()`.
+        (TPU); None picks by `jax.default_backend()`. ("mosaic_gpu": no body yet,
+        refused.)
       interpret: run in the Pallas interpreter; None means yes unless a GPU or
         TPU is the default backend.
       return_blocks_read: also return, per request and KV head, how many cache
@@ -216,6 +217,8 @@ def paged_attention(
     and the metadata replicated, each shard computes its own heads.
     """
     backend, interpret = _common.resolve_backend(backend, interpret)
+    if backend == "mosaic_gpu":
+        raise ValueError("paged_attention has no Mosaic GPU body yet: use backend='triton' on GPU")
     dims = _common.cache_dims(cache.shape, layout)
     if q.ndim != 3:
         raise ValueError(f"q must be [T, QH, D], got shape {q.shape}.")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _common
@@ -118,8 +119,121 @@ def _mosaic_kernel(
     lax.fori_loop(0, num_tokens, wait, 0)
 
 
+# Mosaic GPU: tokens per program (a power of 2, at least 4 so that a tile's int32 metadata row is a whole number
+# of 16-byte units), at most _MGPU_MAX_TILE (a TMA box holds at most 256 elements per dimension: the metadata row
+# has 4 more), the tile's rows within _MGPU_SMEM_BYTES of shared memory.
+_MGPU_MIN_TILE, _MGPU_MAX_TILE = 4, 128
+_MGPU_SMEM_BYTES = 160 * 1024
+_MGPU_META = 4  # leading int32 words of a tile's metadata row: the layer, then padding
+
+
+def _mosaic_gpu_body(
+    # Inputs
+    meta_ref,  # [NT, 4 + tile] int32, GMEM: per tile, the layer then its tokens' slots (-1: padding)
+    rows_ref,  # [NT * tile, H, C], GMEM
+    # In place
+    cache_ref,  # [B, L, H, N, C] in `layout` order, GMEM, a mutable ref
+    # Scratch
+    meta_smem,  # [4 + tile] int32
+    rows_smem,  # per channel piece p: [tile, H, size_p]
+    barriers,  # one per copy into shared memory
+    *,
+    layout: str,
+    block_size: int,
+    num_slots: int,
+    num_layers: int,
+    tile: int,
+    pieces: tuple[tuple[int, int], ...],
+):
+    """One program per tile of tokens: TMA-loads the tile's metadata and rows into shared memory, then issues one
+    TMA store per real token and channel piece, from its rows to its slot, and waits for them all."""
+    i = lax.axis_index("tile")
+    plmgpu.copy_gmem_to_smem(meta_ref.at[i], meta_smem, barriers.at[0])
+    for p, (start, size) in enumerate(pieces):
+        src = rows_ref.at[pl.ds(i * tile, tile), :, pl.ds(start, size)]
+        plmgpu.copy_gmem_to_smem(src, rows_smem[p], barriers.at[1 + p])
+    for k in range(1 + len(pieces)):
+        plmgpu.barrier_wait(barriers.at[k])
+    layer = meta_smem[0]
+
+    def store(t, carry):
+        slot = meta_smem[_MGPU_META + t]
+
+        @pl.when(_in_range(slot, layer, num_slots, num_layers))
+        def _():
+            for p, (start, size) in enumerate(pieces):
+                dst = cache_index(
+                    layout, b=slot // block_size, layer=layer, h=slice(None), n=slot % block_size, c=pl.ds(start, size)
+                )
+                plmgpu.copy_smem_to_gmem(rows_smem[p].at[t], cache_ref.at[dst])
+
+        return carry
+
+    lax.fori_loop(0, tile, store, 0)
+    plmgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic_gpu_tile(num_tokens: int, token_bytes: int) -> int:
+    """Tokens per Mosaic GPU program (see `_MGPU_MAX_TILE`)."""
+    tile = _MGPU_MIN_TILE
+    while tile < min(_MGPU_MAX_TILE, num_tokens) and 2 * tile * token_bytes <= _MGPU_SMEM_BYTES:
+        tile *= 2
+    if tile * token_bytes > _MGPU_SMEM_BYTES:
+        raise ValueError(
+            f"backend='mosaic_gpu': one token's rows take {token_bytes} bytes, more than {_MGPU_SMEM_BYTES // 4} "
+            "(4 tokens per program in shared memory); shard the heads (shard_map) or use backend='triton'"
+        )
+    return tile
+
+
+def _mosaic_gpu_call(cache, new_rows, slot_mapping, layer, *, layout, interpret):
+    """Pads the tokens to whole tiles, packs each tile's metadata, and runs the Mosaic GPU body on the cache
+    as a mutable ref (written in place)."""
+    dims = _common.cache_dims(cache.shape, layout)
+    num_tokens, num_heads, row_width = new_rows.shape
+    itemsize = jnp.dtype(cache.dtype).itemsize
+    if row_width * itemsize % 16:
+        raise ValueError(
+            f"backend='mosaic_gpu' copies rows with the TMA, whose strides must be multiples of 16 bytes: a row of "
+            f"C={row_width} {cache.dtype} channels is {row_width * itemsize} bytes; pad C or use backend='triton'"
+        )
+    tile = _mosaic_gpu_tile(num_tokens, num_heads * row_width * itemsize)
+    num_tiles = -(-num_tokens // tile)
+    padding = num_tiles * tile - num_tokens
+    slots = jnp.pad(slot_mapping, (0, padding), constant_values=-1).reshape(num_tiles, tile)
+    head = jnp.zeros((num_tiles, _MGPU_META), jnp.int32).at[:, 0].set(layer[0])
+    meta = jnp.concatenate([head, slots], axis=1)
+    rows = jnp.pad(new_rows, ((0, padding), (0, 0), (0, 0)))
+    pieces = tuple((start, min(256, row_width - start)) for start in range(0, row_width, 256))
+    body = functools.partial(
+        _mosaic_gpu_body,
+        layout=layout,
+        block_size=dims["N"],
+        num_slots=dims["B"] * dims["N"],
+        num_layers=dims["L"],
+        tile=tile,
+        pieces=pieces,
+    )
+    cache_ref = jax.new_ref(cache)
+    plmgpu.kernel(
+        body,
+        out_type=(),
+        grid=(num_tiles,),
+        grid_names=("tile",),
+        scratch_types=[
+            plmgpu.SMEM((_MGPU_META + tile,), jnp.int32),
+            [plmgpu.SMEM((tile, num_heads, size), cache.dtype) for _, size in pieces],
+            plmgpu.Barrier(num_arrivals=1, num_barriers=1 + len(pieces)),
+        ],
+        interpret=_common.interpret_arg("mosaic_gpu", interpret),
+    )(meta, rows, cache_ref)
+    return cache_ref[...]
+
+
 def _paged_scatter_call(cache, new_rows, slot_mapping, layer, *, layout, backend, interpret):
     """Builds the grid and specs for one backend and calls the kernel."""
+    if backend == "mosaic_gpu":
+        return _mosaic_gpu_call(cache, new_rows, slot_mapping, layer, layout=layout, interpret=interpret)
     dims = _common.cache_dims(cache.shape, layout)
     num_tokens, num_heads, row_width = new_rows.shape
     interpret_param = _common.interpret_arg(backend, interpret)
@@ -219,8 +333,10 @@ def paged_scatter(
       layer_idx: which layer of the buffer to write; a Python int or a traced
         scalar (e.g. inside a scan over layers), traced either way so that layers
         share one compilation. Outside [0, L) nothing is written.
-      backend: "triton" (GPU; also the kernel interpreted on CPU) or "mosaic"
-        (TPU); None picks by `jax.default_backend()`.
+      backend: "triton" (GPU; also the kernel interpreted on CPU), "mosaic"
+        (TPU) or "mosaic_gpu" (Hopper and newer GPUs, jax >= 0.11; rows of a
+        multiple of 16 bytes; interpreted on CPU with its race detector on);
+        None picks "mosaic" on TPU and "triton" elsewhere.
       interpret: run the kernel in the Pallas interpreter; None means yes unless a
         GPU or TPU is the default backend.
 

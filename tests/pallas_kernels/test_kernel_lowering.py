@@ -1,7 +1,8 @@
-"""The kernels lower for GPU (Pallas Triton) and TPU (Mosaic) with no device attached.
+"""The kernels lower for GPU (Pallas Triton, Mosaic GPU) and TPU (Mosaic) with no device attached.
 
-Lowering runs Pallas' own lowering to Triton IR / Mosaic MLIR and checks
-shapes, block specs and every primitive the kernel bodies use; compiling that
+Lowering runs Pallas' own lowering to Triton IR / Mosaic MLIR / Mosaic GPU MLIR and checks
+shapes, block specs and every primitive the kernel bodies use (for Mosaic GPU also the TMA
+copies' limits: at most 256 elements per dimension, strides in 16-byte units); compiling that
 IR to machine code needs the device and is left to benchmarks/device_check.sh.
 """
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from pallas_kernels import _common
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_scatter import paged_scatter
 
@@ -32,9 +34,10 @@ _ABSTRACT_DEVICES = {
 }
 
 
-def _lower(fn, platform, *args, **kwargs) -> str:
-    """The StableHLO text of `fn` lowered for `platform` ("cuda" or "tpu")."""
-    backend = {"cuda": "triton", "tpu": "mosaic"}[platform]
+def _lower(fn, platform, *args, backend=None, **kwargs) -> str:
+    """The StableHLO text of `fn` lowered for `platform` ("cuda" or "tpu"), with `backend` (default: Triton on
+    "cuda", Mosaic on "tpu")."""
+    backend = backend or {"cuda": "triton", "tpu": "mosaic"}[platform]
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=_ABSTRACT_DEVICES[platform])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # No warning may escape, deprecations included.
@@ -69,6 +72,63 @@ def test_paged_scatter_lowers_in_place(platform, layout, dtype, row_width):
     assert _KERNEL_CALL[platform].search(text)
     assert "output_operand_aliases" in text  # The kernel writes into its input.
     assert "tf.aliasing_output = 0" in text  # The jit donates the cache.
+
+
+needs_mosaic_gpu = pytest.mark.skipif(
+    not _common.mosaic_gpu_supported(), reason=f"Mosaic GPU bodies need jax >= 0.11, this is {jax.__version__}"
+)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize(
+    "layout,dtype,row_width",
+    [("BLHNC", jnp.bfloat16, 256), ("LBNHC", jnp.float32, 256), ("BLHNC", jnp.uint8, 656)],
+)
+def test_paged_scatter_mosaic_gpu_body_lowers_in_place(layout, dtype, row_width):
+    # 656 uint8 channels (an MLA row) go as three TMA pieces (256, 256, 144); 40 tokens as one tile of 64.
+    text = _lower(
+        paged_scatter,
+        "cuda",
+        _cache(layout, dtype=dtype, row_width=row_width),
+        S((40, 2, row_width), dtype),
+        S((40,), jnp.int32),
+        jnp.int32(1),
+        layout=layout,
+        backend="mosaic_gpu",
+    )
+    assert re.search(r"custom_call @mosaic_gpu", text)
+    assert "output_operand_aliases" in text  # The kernel writes into its input.
+    assert "tf.aliasing_output = 0" in text  # The jit donates the cache.
+
+
+@needs_mosaic_gpu
+def test_mosaic_gpu_body_refuses_rows_the_tma_cannot_copy():
+    with pytest.raises(ValueError, match="C=82 uint8 channels is 82 bytes"):
+        _lower(
+            paged_scatter,
+            "cuda",
+            _cache("BLHNC", dtype=jnp.uint8, row_width=82),
+            S((40, 2, 82), jnp.uint8),
+            S((40,), jnp.int32),
+            jnp.int32(1),
+            backend="mosaic_gpu",
+        )
+
+
+@needs_mosaic_gpu
+def test_paged_attention_names_the_body_it_lacks():
+    with pytest.raises(ValueError, match="no Mosaic GPU body yet: use backend='triton'"):
+        _lower(
+            paged_attention,
+            "cuda",
+            S((4, 2, 64), jnp.bfloat16),
+            _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
+            S((5,), jnp.int32),
+            S((4,), jnp.int32),
+            S((4, 32), jnp.int32),
+            0,
+            backend="mosaic_gpu",
+        )
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
