@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from mosaic_gpu_marks import needs_mosaic_gpu
 
-from pallas_kernels import _common
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_scatter import paged_scatter
 
@@ -72,11 +72,6 @@ def test_paged_scatter_lowers_in_place(platform, layout, dtype, row_width):
     assert _KERNEL_CALL[platform].search(text)
     assert "output_operand_aliases" in text  # The kernel writes into its input.
     assert "tf.aliasing_output = 0" in text  # The jit donates the cache.
-
-
-needs_mosaic_gpu = pytest.mark.skipif(
-    not _common.mosaic_gpu_supported(), reason=f"Mosaic GPU bodies need jax >= 0.11, this is {jax.__version__}"
-)
 
 
 @needs_mosaic_gpu

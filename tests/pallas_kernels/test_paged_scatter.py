@@ -9,21 +9,10 @@ import jax.numpy as jnp
 import kernel_cases
 import numpy as np
 import pytest
+from mosaic_gpu_marks import needs_mosaic_gpu, no_races_found
 
-from pallas_kernels import _common
 from pallas_kernels.paged_scatter import kernel as scatter_kernel
 from pallas_kernels.paged_scatter import paged_scatter, paged_scatter_reference
-
-needs_mosaic_gpu = pytest.mark.skipif(
-    not _common.mosaic_gpu_supported(), reason=f"Mosaic GPU bodies need jax >= 0.11, this is {jax.__version__}"
-)
-
-
-def _no_races_found() -> bool:
-    """Whether the Mosaic GPU interpreter's race detector (on in every interpreted Mosaic GPU call) found none."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-    return not interpret_pallas_call.get_races().races_found
 
 
 def _cache_and_rows(
@@ -93,7 +82,7 @@ def test_mosaic_gpu_body_matches_reference(monkeypatch, layout, dtype, row_width
         jnp.asarray(cache), jnp.asarray(rows), jnp.asarray(slots), 1, layout=layout, backend="mosaic_gpu"
     )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-    assert _no_races_found()
+    assert no_races_found()
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic", pytest.param("mosaic_gpu", marks=needs_mosaic_gpu)])
