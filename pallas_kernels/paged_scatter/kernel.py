@@ -24,6 +24,11 @@ from pallas_kernels import _common
 from pallas_kernels._common import cache_index
 
 
+def _geometry(dims: dict[str, int], layout: str) -> dict:
+    """The static cache geometry every body takes."""
+    return dict(layout=layout, block_size=dims["N"], num_slots=dims["B"] * dims["N"], num_layers=dims["L"])
+
+
 def _in_range(slot, layer, num_slots: int, num_layers: int):
     """Whether a token's write lands in the cache: slot −1 (padding), a slot past the
     pool or a layer outside the buffer write nothing, as in the reference."""
@@ -207,10 +212,7 @@ def _mosaic_gpu_call(cache, new_rows, slot_mapping, layer, *, layout, interpret)
     pieces = tuple((start, min(256, row_width - start)) for start in range(0, row_width, 256))
     body = functools.partial(
         _mosaic_gpu_body,
-        layout=layout,
-        block_size=dims["N"],
-        num_slots=dims["B"] * dims["N"],
-        num_layers=dims["L"],
+        **_geometry(dims, layout),
         tile=tile,
         pieces=pieces,
     )
@@ -240,10 +242,7 @@ def _paged_scatter_call(cache, new_rows, slot_mapping, layer, *, layout, backend
     if backend == "triton":
         kernel = functools.partial(
             _triton_kernel,
-            layout=layout,
-            block_size=dims["N"],
-            num_slots=dims["B"] * dims["N"],
-            num_layers=dims["L"],
+            **_geometry(dims, layout),
             num_heads=num_heads,
             pieces=_common.power_of_2_pieces(row_width),
         )
@@ -266,10 +265,7 @@ def _paged_scatter_call(cache, new_rows, slot_mapping, layer, *, layout, backend
 
     kernel = functools.partial(
         _mosaic_kernel,
-        layout=layout,
-        block_size=dims["N"],
-        num_slots=dims["B"] * dims["N"],
-        num_layers=dims["L"],
+        **_geometry(dims, layout),
         num_tokens=num_tokens,
     )
     return pl.pallas_call(

@@ -54,6 +54,18 @@ def _cache(layout, *, dtype, block_size=16, num_heads=2, row_width=256):
     return S(tuple(dims[axis] for axis in layout), dtype)
 
 
+def _small_decode(block_size=16):
+    """paged_attention's arguments: 4 tokens of 2 query heads (head 64) over a bf16 cache of 2 KV heads, layer 0."""
+    return (
+        S((4, 2, 64), jnp.bfloat16),
+        _cache("BLHNC", dtype=jnp.bfloat16, block_size=block_size, row_width=128),
+        S((5,), jnp.int32),
+        S((4,), jnp.int32),
+        S((4, 32), jnp.int32),
+        0,
+    )
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize(
     "layout,dtype,row_width",
@@ -116,12 +128,7 @@ def test_paged_attention_names_the_body_it_lacks():
         _lower(
             paged_attention,
             "cuda",
-            S((4, 2, 64), jnp.bfloat16),
-            _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
-            S((5,), jnp.int32),
-            S((4,), jnp.int32),
-            S((4, 32), jnp.int32),
-            0,
+            *_small_decode(),
             backend="mosaic_gpu",
         )
 
@@ -163,12 +170,7 @@ def test_block_count_output_lowers_for_cuda(sinks):
     text = _lower(
         paged_attention,
         "cuda",
-        S((4, 2, 64), jnp.bfloat16),
-        _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
-        S((5,), jnp.int32),
-        S((4,), jnp.int32),
-        S((4, 32), jnp.int32),
-        0,
+        *_small_decode(),
         sliding_window=100,
         sinks=sinks,
         return_blocks_read=True,
@@ -181,12 +183,7 @@ def test_triton_rejects_shapes_it_cannot_tile():
         _lower(
             paged_attention,
             "cuda",
-            S((4, 2, 64), jnp.bfloat16),
-            _cache("BLHNC", dtype=jnp.bfloat16, block_size=12, row_width=128),
-            S((5,), jnp.int32),
-            S((4,), jnp.int32),
-            S((4, 32), jnp.int32),
-            0,
+            *_small_decode(block_size=12),
         )
 
 
@@ -197,12 +194,7 @@ def test_triton_deprecation_warning_is_filtered():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         paged_attention.trace(
-            S((4, 2, 64), jnp.bfloat16),
-            _cache("BLHNC", dtype=jnp.bfloat16, row_width=128),
-            S((5,), jnp.int32),
-            S((4,), jnp.int32),
-            S((4, 32), jnp.int32),
-            0,
+            *_small_decode(),
             backend="triton",
             interpret=False,
         )
