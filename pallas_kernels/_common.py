@@ -107,12 +107,12 @@ def interpret_arg(backend: str, interpret: bool):
     """pallas_call's (or `plgpu.kernel`'s) `interpret=`: Mosaic kernels use DMAs and
     semaphores, which only the TPU interpreter emulates; Mosaic GPU bodies run in the
     GPU interpreter (TMA copies, barriers), with its race detector on."""
-    if backend == "mosaic_gpu":
-        return plmgpu.InterpretGPUParams(detect_races=True) if interpret else None
     if not interpret:
         return False
     if backend == "mosaic":
         return pltpu.InterpretParams()
+    if backend == "mosaic_gpu":
+        return plmgpu.InterpretGPUParams(detect_races=True)
     return True
 
 
